@@ -1,0 +1,68 @@
+"""Automatic mixed precision (`--amp`): autocast, and a GradScaler for float16.
+
+What it does: inside `torch.autocast`, matrix multiplications and other ops that are safe in
+low precision run in float16 or bfloat16, while the weights, the optimiser state and the
+reductions that need range (softmax, layer norm, the loss) stay in float32.
+
+Why it is faster: tensor cores run 16-bit matmuls many times faster than float32 (A100: 312
+vs 19.5 TFLOP/s dense), and activations take half the memory and bandwidth. The article
+measured 22.63 -> 8.75 min from this alone.
+
+What it costs: float16 has a narrow range, so small gradients underflow to zero. The
+GradScaler multiplies the loss by a large factor before backward, divides the gradients back
+(`unscale_`) before clipping and stepping, skips a step whose gradients overflowed to inf/NaN
+and lowers the factor. bfloat16 has float32's range and needs no scaler, but fewer mantissa
+bits. Evaluation runs under the same autocast, so it measures the model as trained.
+
+Replaces Lightning's `precision="16-mixed"` (`--amp`) and `precision="bf16-mixed"`
+(`--amp --amp-dtype bfloat16`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class MixedPrecision:
+    """The autocast context and the (optional) gradient scaler of one run."""
+
+    def __init__(self, enabled: bool, dtype: str, device: torch.device):
+        self.enabled = enabled
+        self.dtype = DTYPES[dtype]
+        self.device_type = device.type
+        # Only float16 needs loss scaling; with it off, the scaler's methods are pass-throughs.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=enabled and dtype == "float16")
+
+    def autocast(self):
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step(), skipped by the scaler if the gradients hold inf/NaN."""
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler.is_enabled() else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state)
+
+
+def check_dtype_supported(dtype: str, device: torch.device) -> None:
+    """Refuse bfloat16 on a GPU that has no bfloat16 support (before Ampere)."""
+    if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"--amp-dtype bfloat16 is not supported on {torch.cuda.get_device_name(device)}")

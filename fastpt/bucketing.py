@@ -1,0 +1,33 @@
+"""Length-grouped batching with dynamic padding (`--bucket`).
+
+What it does: each epoch, take this process's shuffled indices, cut them into mega-batches
+of `multiplier * batch_size` reviews, sort each mega-batch by token length, cut it into
+batches, and shuffle the batches. Each batch is then padded only to its own longest review.
+
+Why it is faster: IMDB reviews average 273 tokens but run up to 512. Padding every review to
+512 (the article) computes 47% padding; padding random batches to their longest still wastes
+45%. Grouped batches are about 98% real tokens, so each epoch does about half the work.
+
+What it costs: batches are no longer i.i.d. samples of the data: neighbours in length share
+a batch. Shuffling within large mega-batches and shuffling batch order keeps the effect on
+accuracy within noise (measured in the README). Shapes vary per batch, which `torch.compile`
+handles with dynamic shapes after a recompile or two.
+
+Lightning has no flag for this; it is what Hugging Face's `group_by_length=True` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_by_length(indices: list[int], lengths, batch_size: int, multiplier: int,
+                    generator: torch.Generator) -> list[list[int]]:
+    """Batches of similar-length indices, in shuffled order. Every index appears once."""
+    mega = batch_size * multiplier
+    batches: list[list[int]] = []
+    for start in range(0, len(indices), mega):
+        chunk = sorted(indices[start:start + mega], key=lambda i: lengths[i], reverse=True)
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    order = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in order]

@@ -1,0 +1,82 @@
+"""Checkpoints: written atomically, loaded safely, always without wrapper prefixes.
+
+- `save_atomic` writes to a temporary file in the same folder, flushes and fsyncs it, then
+  renames it over the target: a crash mid-write leaves the previous file intact.
+- `load` uses `torch.load(weights_only=True)`: only tensors and plain containers are
+  unpickled, so a file crafted to run code on load is refused instead of executed.
+- `unwrap_model` peels torch.compile (`_orig_mod`), DDP and DeepSpeed (`module`) wrappers in
+  one place, so a saved state dict loads into a plain model.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read or does not fit this run."""
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    while True:
+        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.Module) and hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+            model = model.module  # DistributedDataParallel, DeepSpeedEngine
+        else:
+            return model
+
+
+def save_atomic(obj, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(path: Path) -> dict:
+    """Load a checkpoint with weights_only=True; a clear CheckpointError for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"refused to load {path}: it holds objects other than tensors and plain data ({first[:160]})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0][:200]}") from None
+
+
+def load_model_weights(path: Path) -> dict:
+    """The model state dict of a best.pt / last.pt."""
+    ckpt = load(path)
+    state = ckpt.get("model") if isinstance(ckpt, dict) else None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds no model state")
+    return state

@@ -1,0 +1,246 @@
+"""Run configuration: one typed dataclass, built from the command line, validated once.
+
+Every setting of a run lives in `TrainConfig`. `parse_args` turns `train.py`'s command line
+into one; `TrainConfig.__post_init__` checks every value and raises `ValueError` with a
+one-line message that names the bad setting, before any data is read or any folder written.
+The resolved config is saved as `config.json` next to the results and inside every checkpoint.
+
+Defaults are the article's run: distilbert-base-uncased, 3 epochs, batch 12, Adam 5e-5,
+seed 123, sequences truncated and padded to 512 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+
+# Settings that change what a checkpoint holds: resuming with any of them changed is refused.
+RESUME_SENSITIVE = (
+    "model", "random_init", "max_length", "batch_size", "lr", "seed", "grad_accum",
+    "train_size", "strategy", "amp", "amp_dtype", "zero_stage", "bucket", "pad_to",
+)
+
+
+@dataclass
+class TrainConfig:
+    # What to train on.
+    model: str = "distilbert-base-uncased"
+    random_init: bool = False
+    data_dir: Optional[str] = None
+    cache_dir: Optional[str] = None
+    max_length: int = 512
+    train_size: Optional[int] = None
+    val_size: Optional[int] = None
+    test_size: Optional[int] = None
+
+    # The article's hyperparameters.
+    batch_size: int = 12
+    epochs: int = 3
+    lr: float = 5e-5
+    seed: int = 123
+    max_steps: Optional[int] = None
+
+    # Lightning behaviours reproduced by hand.
+    early_stopping_patience: Optional[int] = None
+    min_delta: float = 0.0
+    monitor: str = "val_acc"
+    test_on: str = "best"
+
+    # Data loading.
+    num_workers: Optional[int] = None
+    pin_memory: Optional[bool] = None
+    pad_to: str = "max_length"
+    bucket: bool = False
+    bucket_multiplier: int = 50
+
+    # Single-device speed-ups.
+    device: str = "auto"
+    amp: bool = False
+    amp_dtype: str = "float16"
+    compile: bool = False
+    compile_mode: str = "default"
+    fused_adam: Optional[bool] = None
+    tf32: bool = False
+    attn_implementation: str = "sdpa"
+    grad_accum: int = 1
+    max_grad_norm: Optional[float] = None
+    deterministic: bool = False
+
+    # Multi-process strategies.
+    strategy: str = "single"
+    fsdp_reshard_after_forward: bool = True
+    zero_stage: int = 2
+    deepspeed_config: Optional[str] = None
+
+    # Outputs and reliability.
+    out: Optional[str] = None
+    overwrite: bool = False
+    log_every: int = 50
+    save_every: Optional[int] = None
+    resume: Optional[str] = None
+    progress: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        positive = ["max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier"]
+        optional_positive = ["train_size", "val_size", "test_size", "max_steps", "save_every",
+                             "early_stopping_patience"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        for name in optional_positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{_flag(name)} must be positive, got {value}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.max_length > 512:
+            raise ValueError(f"--max-length {self.max_length} exceeds the 512 positions of BERT-style models")
+        if self.min_delta < 0:
+            raise ValueError(f"--min-delta must be >= 0, got {self.min_delta}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+        _choice("monitor", self.monitor, ("val_acc", "val_loss"))
+        _choice("test-on", self.test_on, ("best", "last"))
+        _choice("pad-to", self.pad_to, ("max_length", "longest"))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("amp-dtype", self.amp_dtype, ("float16", "bfloat16"))
+        _choice("compile-mode", self.compile_mode, ("default", "max-autotune", "reduce-overhead"))
+        _choice("attn-implementation", self.attn_implementation, ("sdpa", "eager"))
+        _choice("strategy", self.strategy, ("single",) + STRATEGIES)
+        _choice("zero-stage", self.zero_stage, (1, 2, 3))
+        if self.bucket and self.pad_to == "max_length":
+            # Bucketing exists to pad each batch to its own longest sequence.
+            self.pad_to = "longest"
+        if self.deepspeed_config is not None and self.strategy != "deepspeed":
+            raise ValueError("--deepspeed-config needs --deepspeed")
+        if self.strategy == "deepspeed" and self.compile:
+            raise ValueError("--compile is not supported with --deepspeed (DeepSpeed wraps the model itself)")
+        if self.early_stopping_patience is None and self.min_delta != 0.0:
+            raise ValueError("--min-delta needs --early-stopping-patience")
+
+    @property
+    def monitor_mode(self) -> str:
+        return "max" if self.monitor == "val_acc" else "min"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _choice(flag: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"--{flag} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but errors are one line on stderr and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = _OneLineParser(
+        prog="train.py",
+        description="Fine-tune DistilBERT on IMDB in plain PyTorch, with every speed-up behind a flag.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=d.model,
+                   help="hub id, local folder, 'minilm' (offline pretrained MiniLM-L6) or 'tiny' (tests)")
+    g.add_argument("--random-init", action="store_true", help="build the architecture from its config, random weights")
+    g.add_argument("--data-dir", default=None,
+                   help="folder with aclImdb_v1.tar.gz, the labelled tarball or an extracted aclImdb/ "
+                        "(default: $FASTPT_DATA_DIR, else ./data, downloading if missing)")
+    g.add_argument("--cache-dir", default=None, help="tokenised-split cache (default: $FASTPT_CACHE_DIR or ~/.cache/fastpt)")
+    g.add_argument("--max-length", type=int, default=d.max_length)
+    g.add_argument("--train-size", type=int, default=None, help="use the first N training reviews")
+    g.add_argument("--val-size", type=int, default=None, help="use the first N validation reviews")
+    g.add_argument("--test-size", type=int, default=None, help="use the first N test reviews")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
+    g.add_argument("--epochs", type=int, default=d.epochs)
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--max-steps", type=int, default=None, help="stop after N optimiser steps (benchmarks)")
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    g.add_argument("--max-grad-norm", type=float, default=None)
+
+    g = p.add_argument_group("early stopping and checkpoints")
+    g.add_argument("--early-stopping-patience", type=int, default=None, help="validation checks without improvement")
+    g.add_argument("--min-delta", type=float, default=d.min_delta)
+    g.add_argument("--monitor", default=d.monitor, choices=("val_acc", "val_loss"))
+    g.add_argument("--test-on", default=d.test_on, choices=("best", "last"))
+
+    g = p.add_argument_group("data loading")
+    g.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: from CPU count)")
+    g.add_argument("--pin-memory", dest="pin_memory", action="store_true", default=None)
+    g.add_argument("--no-pin-memory", dest="pin_memory", action="store_false")
+    g.add_argument("--pad-to", default=d.pad_to, choices=("max_length", "longest"))
+    g.add_argument("--bucket", action="store_true", help="length-grouped batches with dynamic padding")
+    g.add_argument("--bucket-multiplier", type=int, default=d.bucket_multiplier,
+                   help="mega-batch size in batches for --bucket")
+
+    g = p.add_argument_group("single-device speed-ups")
+    g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    g.add_argument("--amp", action="store_true", help="automatic mixed precision")
+    g.add_argument("--amp-dtype", default=d.amp_dtype, choices=("float16", "bfloat16"))
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--compile-mode", default=d.compile_mode, choices=("default", "max-autotune", "reduce-overhead"))
+    g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None)
+    g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false")
+    g.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA")
+    g.add_argument("--attn-implementation", default=d.attn_implementation, choices=("sdpa", "eager"))
+    g.add_argument("--deterministic", action="store_true")
+
+    g = p.add_argument_group("multi-process strategies (launch with torchrun)")
+    g.add_argument("--ddp", action="store_true", help="DistributedDataParallel")
+    g.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard")
+    g.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO")
+    g.add_argument("--fsdp-reshard-after-forward", dest="fsdp_reshard_after_forward",
+                   action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--zero-stage", type=int, default=d.zero_stage, choices=(1, 2, 3))
+    g.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config to use instead of fastpt's")
+
+    g = p.add_argument_group("outputs and reliability")
+    g.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
+    g.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds another run")
+    g.add_argument("--log-every", type=int, default=d.log_every, help="optimiser steps between log lines")
+    g.add_argument("--save-every", type=int, default=None, help="write checkpoints/last.pt every N optimiser steps")
+    g.add_argument("--resume", default=None, help="'auto' or a path to last.pt")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bars")
+    g.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    return p
+
+
+def parse_args(argv=None) -> TrainConfig:
+    """Command line -> validated TrainConfig. Raises ValueError on a bad value."""
+    args = vars(build_parser().parse_args(argv))
+    chosen = [name for name in STRATEGIES if args.pop(name)]
+    if len(chosen) > 1:
+        raise ValueError(f"choose one strategy, not {' and '.join('--' + c for c in chosen)}")
+    args["strategy"] = chosen[0] if chosen else "single"
+    return TrainConfig(**args)

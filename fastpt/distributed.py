@@ -1,0 +1,109 @@
+"""The process group, from torchrun's environment, and the few collectives the loop needs.
+
+`torchrun --nproc_per_node=N train.py ...` starts N processes and sets RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each. `init()` reads them, picks the device
+(cuda:LOCAL_RANK, set before the group exists, or the CPU) and the backend (NCCL on CUDA,
+gloo on the CPU). Without torchrun it is the single-process case: rank 0 of 1, no group.
+
+Multi-node is the same code: `torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d
+--rdzv-endpoint=HOST:29500 train.py --ddp`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def local_world_size(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init(device: str = "auto", needs_group: bool = False) -> DistInfo:
+    """Set the device and, under torchrun, create the default process group.
+
+    Strategies that need a group (DDP, FSDP, DeepSpeed) started without torchrun get a
+    one-rank group in this process, so they run as a one-rank job.
+    """
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but no CUDA device is available")
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)  # before init: NCCL binds each rank to its own GPU
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if launched_by_torchrun() and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10),
+                                **({"device_id": dev} if use_cuda else {}))
+    elif needs_group and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return DistInfo(rank, local_rank, world_size, dev)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks, in place; a no-op in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank src's Python object on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's Python object, as a list indexed by rank, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is True on any rank: a stop decision all ranks take together."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return bool(all_reduce_sum(t).item() > 0)

@@ -1,0 +1,128 @@
+"""The IMDB Large Movie Review dataset and the article's exact 35k/5k/10k split.
+
+Accepted sources, looked for in this order inside `--data-dir` (or `$FASTPT_DATA_DIR`):
+an extracted `aclImdb/` folder, the official `aclImdb_v1.tar.gz`, or the labelled-only
+`aclImdb_v1_labelled.tar.gz`. `--data-dir` may also name the folder or tarball itself.
+Without either, the official tarball is downloaded into `./data`.
+
+The split is the article's, bit for bit (checked against the fingerprints in the tests):
+1. reviews are concatenated as test/pos, test/neg, train/pos, train/neg, each folder in
+   Python `sorted()` order of the file name; label pos = 1, neg = 0;
+2. the article's first shuffle (`np.random.seed(0)` + a pandas reindex) is a no-op there,
+   because every row carries index 0, so it is left out;
+3. the effective shuffle, pandas `sample(frac=1, random_state=1)`, takes rows in the order
+   `numpy.random.RandomState(1).permutation(n)`;
+4. the first 70% are train, the next 10% validation, the last 20% test (35,000 / 5,000 / 10,000).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tarfile
+import urllib.request
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
+TARBALLS = ("aclImdb_v1.tar.gz", "aclImdb_v1_labelled.tar.gz")
+FOLDERS = ("test/pos", "test/neg", "train/pos", "train/neg")  # the article's concatenation order
+SPLIT_FRACTIONS = (0.7, 0.1)  # train, validation; the rest is test
+_MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/([^/]+\.txt)$")
+
+
+class DataError(RuntimeError):
+    """The dataset cannot be found, downloaded or read. The message says what to do."""
+
+
+@dataclass(frozen=True)
+class Reviews:
+    keys: list[str]  # "<train|test>/<pos|neg>/<file name>", the article's order
+    texts: list[str]
+    labels: np.ndarray  # int64, 1 = positive
+
+
+def find_source(data_dir: Optional[str]) -> Path:
+    """Where the reviews are: an aclImdb/ folder or a tarball. Downloads only without --data-dir."""
+    explicit = data_dir or os.environ.get("FASTPT_DATA_DIR")
+    root = Path(explicit) if explicit else Path("data")
+    if root.is_file():
+        return root
+    candidates = [root / "aclImdb", root] + [root / name for name in TARBALLS]
+    for path in candidates:
+        if path.is_dir() and (path / "train" / "pos").is_dir():
+            return path
+        if path.is_file():
+            return path
+    if explicit:
+        raise DataError(f"no IMDB data in {root}: expected aclImdb/, {TARBALLS[0]} or {TARBALLS[1]} there")
+    return download(root / TARBALLS[0])
+
+
+def download(target: Path) -> Path:
+    """Fetch the official tarball with a progress bar; fail with advice when offline."""
+    from tqdm.auto import tqdm
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".part")
+    try:
+        with urllib.request.urlopen(URL, timeout=30) as response, open(partial, "wb") as f:
+            total = int(response.headers.get("Content-Length", 0)) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {target.name}") as bar:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise DataError(
+            f"could not download {URL} ({e.__class__.__name__}: {e}); if this machine is offline, "
+            f"pass --data-dir DIR (or set FASTPT_DATA_DIR) pointing at a local {TARBALLS[0]} or aclImdb/ folder"
+        ) from None
+    partial.rename(target)
+    return target
+
+
+def read_reviews(source: Path) -> Reviews:
+    """All labelled reviews from a folder or tarball, in the article's order."""
+    found: dict[str, str] = {}
+    try:
+        if source.is_dir():
+            for folder in FOLDERS:
+                d = source / folder
+                if d.is_dir():
+                    for name in os.listdir(d):
+                        if name.endswith(".txt"):
+                            found[f"{folder}/{name}"] = (d / name).read_text(encoding="utf-8")
+        else:
+            with tarfile.open(source, "r:*") as archive:
+                for member in archive:
+                    match = _MEMBER.search(member.name) if member.isfile() else None
+                    if match:
+                        key = "/".join(match.groups())
+                        found[key] = archive.extractfile(member).read().decode("utf-8")
+    except (tarfile.TarError, EOFError, zlib.error, OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {source}: {e.__class__.__name__}: {e} (corrupt or incomplete archive?)") from None
+    keys = []
+    for folder in FOLDERS:
+        names = sorted(k.rsplit("/", 1)[1] for k in found if k.startswith(folder + "/"))
+        if not names:
+            raise DataError(f"{source} has no aclImdb/{folder}/*.txt reviews: not an IMDB v1 dataset")
+        keys += [f"{folder}/{name}" for name in names]
+    labels = np.array([1 if k.split("/")[1] == "pos" else 0 for k in keys], dtype=np.int64)
+    return Reviews(keys=keys, texts=[found[k] for k in keys], labels=labels)
+
+
+def split_indices(n: int) -> dict[str, np.ndarray]:
+    """The article's shuffle and 70/10/20 cut of n rows (35k/5k/10k for the full 50k)."""
+    order = np.random.RandomState(1).permutation(n)
+    n_train = round(n * SPLIT_FRACTIONS[0])
+    n_val = round(n * SPLIT_FRACTIONS[1])
+    return {
+        "train": order[:n_train],
+        "validation": order[n_train:n_train + n_val],
+        "test": order[n_train + n_val:],
+    }

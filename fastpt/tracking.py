@@ -1,0 +1,75 @@
+"""What a run shows and writes: console lines, tqdm bars, TensorBoard, JSON files.
+
+Only rank 0 talks. Other ranks get a `NullTracker`, an object with the same methods that does
+nothing, so the training loop never needs `if rank == 0` around a log call.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+
+class Tracker:
+    def __init__(self, out_dir: Path, progress: bool, tensorboard: bool, purge_step: Optional[int] = None):
+        self.out_dir = out_dir
+        self.progress = progress
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step drops events a crashed run wrote after its last checkpoint, so a
+            # resumed run continues the same curves without duplicate steps.
+            self.writer = SummaryWriter(str(out_dir / "tb"), purge_step=purge_step)
+
+    def print(self, message: str) -> None:
+        tqdm.write(message, file=sys.stdout)
+
+    def bar(self, total: int, desc: str, initial: int = 0, leave: bool = False):
+        return tqdm(total=total, desc=desc, initial=initial, leave=leave, dynamic_ncols=True,
+                    disable=not self.progress, file=sys.stderr)
+
+    def scalars(self, values: dict, step: int, prefix: str = "") -> None:
+        if self.writer:
+            for k, v in values.items():
+                if isinstance(v, (int, float)):
+                    self.writer.add_scalar(f"{prefix}{k}", v, step)
+
+    def text(self, tag: str, text: str) -> None:
+        if self.writer:
+            self.writer.add_text(tag, f"```\n{text}\n```")
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        if self.writer:
+            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
+            self.writer.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()
+                                            if isinstance(v, (int, float))}, run_name="hparams")
+
+    def write_json(self, name: str, data: dict) -> None:
+        write_json_atomic(self.out_dir / name, data)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+class NullTracker(Tracker):
+    """The tracker of every rank but 0: same methods, no output."""
+
+    def __init__(self):
+        self.writer, self.progress, self.out_dir = None, False, None
+
+    def print(self, message: str) -> None:
+        pass
+
+    def write_json(self, name: str, data: dict) -> None:
+        pass
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny made-up aclImdb dataset, an isolated cache, offline Hugging Face."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+POSITIVE = "great wonderful superb moving brilliant delightful charming excellent loved".split()
+NEGATIVE = "awful boring terrible dull dreadful clumsy tedious bad hated".split()
+NEUTRAL = "the film movie plot actor scene story director music camera and of a it".split()
+
+
+def make_review(rng: random.Random, positive: bool) -> str:
+    """A made-up review whose sentiment words give its label away; lengths vary 8-60 words."""
+    words = [rng.choice(NEUTRAL) for _ in range(rng.randint(8, 60))]
+    for _ in range(rng.randint(2, 5)):
+        words.insert(rng.randrange(len(words)), rng.choice(POSITIVE if positive else NEGATIVE))
+    return " ".join(words) + ".<br /><br />" + rng.choice(NEUTRAL)
+
+
+def write_imdb(root: Path, per_folder: int = 40, seed: int = 0) -> Path:
+    """An extracted aclImdb/ folder with `per_folder` reviews in each of the four folders."""
+    rng = random.Random(seed)
+    for split in ("train", "test"):
+        for sentiment in ("pos", "neg"):
+            folder = root / "aclImdb" / split / sentiment
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_folder):
+                rating = rng.choice([7, 8, 9, 10] if sentiment == "pos" else [1, 2, 3, 4])
+                (folder / f"{i}_{rating}.txt").write_text(make_review(rng, sentiment == "pos"), encoding="utf-8")
+    return root / "aclImdb"
+
+
+def tar_folder(folder: Path, target: Path) -> Path:
+    with tarfile.open(target, "w:gz") as tar:
+        tar.add(folder, arcname="aclImdb")
+    return target
+
+
+@pytest.fixture(scope="session")
+def imdb_dir(tmp_path_factory) -> Path:
+    """A data dir holding a tiny aclImdb_v1.tar.gz (160 reviews: 112 train, 16 val, 32 test)."""
+    root = tmp_path_factory.mktemp("imdb")
+    folder = write_imdb(root / "src")
+    data = root / "data"
+    data.mkdir()
+    tar_folder(folder, data / "aclImdb_v1.tar.gz")
+    return data
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def tiny_args(imdb_dir, cache_dir, tmp_path):
+    """Command-line flags for a fast run of the tiny model on the tiny data."""
+    def args(*extra, out=None):
+        return ["--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir),
+                "--max-length", "64", "--batch-size", "8", "--epochs", "2", "--log-every", "2",
+                "--no-progress", "--out", str(out or tmp_path / "run"), *extra]
+    return args
