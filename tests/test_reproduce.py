@@ -1,0 +1,126 @@
+"""scripts/reproduce.py and scripts/compare_peers.py: the table arithmetic, and smoke runs end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import reproduce  # noqa: E402
+
+
+def _env() -> dict:
+    # One thread per process: the tiny model gains nothing from more, and the test shares the machine.
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def _fake_run(key: str, train_time_s: float, test_acc: float) -> reproduce.Run:
+    rung = next(r for r in reproduce.LADDER if r.key == key)
+    results = {"train_time_s": train_time_s, "test_acc": test_acc, "samples_per_s": 100.0, "tokens_per_s": 5000.0,
+               "mfu": None, "peak_memory_bytes": 3 * 2**30, "world_size": 1}
+    return reproduce.Run(rung, [], Path("."), 1, status="done", results=results)
+
+
+def _row(md: str, label: str) -> list:
+    line = next(line for line in md.splitlines() if line.startswith(f"| {label} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_table_speedups_over_each_sides_baseline():
+    runs = [_fake_run("baseline", 600.0, 0.9), _fake_run("amp", 240.0, 0.91)]
+    failed = reproduce.Run(next(r for r in reproduce.LADDER if r.key == "ddp"), [], Path("."), 2,
+                           status="failed (exit 1, see x.log)")
+    md = reproduce.table(runs + [failed])
+    base, amp, ddp = _row(md, runs[0].rung.label), _row(md, runs[1].rung.label), _row(md, failed.rung.label)
+    assert base[2:5] == ["10.00", "1.00x", "90.00%"]
+    assert amp[2:5] == ["4.00", "2.50x", "91.00%"]
+    assert amp[8] == "3.00 GiB"
+    assert amp[9:] == ["8.75", f"{22.63 / 8.75:.2f}x", "92.20%"]  # the articles' own ratio
+    assert ddp[2] == "failed (exit 1, see x.log)" and ddp[9].startswith("3.52 (4 GPUs)")
+    header_cells = md.splitlines()[0].count("|")
+    assert all(line.count("|") == header_cells for line in md.splitlines())
+
+
+def test_plan_launches_multi_process_rows_with_torchrun_and_drops_duplicates(tmp_path):
+    runs = {r.rung.key: r for r in reproduce.plan("cpu", 2, [], tmp_path)}
+    ddp = runs["ddp"].command
+    assert ddp[1:4] == ["-m", "torch.distributed.run", "--standalone"] and "--nproc_per_node=2" in ddp
+    assert "--ddp" in ddp and "bfloat16" in ddp  # the cpu preset's mixed precision is bf16
+    assert runs["baseline"].command[1] == "train.py" and "--amp" not in runs["baseline"].command
+    # On the cpu preset "+ mixed precision" is already bf16, so the bf16 row would repeat the bucketing row.
+    assert runs["bf16"].status.startswith("left out") and runs["bucket"].status == "not run"
+    single = {r.rung.key: r for r in reproduce.plan("cpu", 1, [], tmp_path)}
+    assert single["ddp"].status == "left out (--nproc 1)"
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+@pytest.mark.slow
+def test_reproduce_smoke_writes_table_and_chart_and_resumes(imdb_dir, cache_dir, tmp_path):
+    runs_dir, report_dir = tmp_path / "runs", tmp_path / "report"
+    cmd = [sys.executable, "scripts/reproduce.py", "--preset", "smoke", "--only", "baseline,amp,ddp",
+           "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--runs-dir", str(runs_dir),
+           "--report-dir", str(report_dir)]
+    first = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    logs = "".join(_tail(runs_dir / k / "train.log") for k in ("baseline", "amp", "ddp"))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:] + logs
+
+    md = (report_dir / "reproduce-smoke.md").read_text()
+    assert "- machine:" in md and "- date:" in md and "--preset smoke" in md
+    for key in ("baseline", "amp", "ddp"):
+        results = json.loads((runs_dir / key / "results.json").read_text())
+        row = _row(md, next(r.label for r in reproduce.LADDER if r.key == key))
+        assert row[1] == str(results["world_size"])
+        assert row[2] == f"{results['train_time_s'] / 60:.2f}"
+        assert row[4] == f"{100 * results['test_acc']:.2f}%"
+    assert json.loads((runs_dir / "ddp" / "results.json").read_text())["world_size"] == 2
+    assert _row(md, reproduce.LADDER[0].label)[3] == "1.00x"
+    png = report_dir / "reproduce-smoke.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    stamps = {k: (runs_dir / k / "results.json").stat().st_mtime_ns for k in ("baseline", "amp", "ddp")}
+    second = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.count("results exist, skipped") == 3
+    assert stamps == {k: (runs_dir / k / "results.json").stat().st_mtime_ns for k in stamps}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="lightning is not installed (pip install -r requirements-peers.txt)")
+def test_compare_peers_smoke_same_inputs_same_fp32_result(imdb_dir, cache_dir, tmp_path):
+    runs_dir, report_dir = tmp_path / "runs", tmp_path / "report"
+    cmd = [sys.executable, "scripts/compare_peers.py", "--preset", "smoke", "--configs", "fp32", "--repeats", "1",
+           "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--runs-dir", str(runs_dir),
+           "--report-dir", str(report_dir)]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    logs = "".join(_tail(p) for p in runs_dir.glob("fp32/*/rep0/run.log"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs
+
+    md = (report_dir / "compare-peers-smoke.md").read_text()
+    rows = {fw: _row(md, fw) for fw in ("fastpt", "lightning", "accelerate", "bare")}
+    assert all(re.fullmatch(r"[\d.]+ \([\d., ]+\)", r[0]) for r in rows.values())  # train time (single runs)
+    assert rows["fastpt"][2] == "1.000" and rows["fastpt"][6] != "–"  # its own ratio; overhead vs bare computed
+    assert "Verdict: vs lightning:" in md and "vs accelerate:" in md
+
+    results = {fw: json.loads((runs_dir / "fp32" / fw / "rep0" / "results.json").read_text())
+               for fw in ("fastpt", "lightning", "accelerate", "bare")}
+    # Same batches, same initial weights, same dropout seed, fp32: the frameworks must agree on what was learnt.
+    n = results["fastpt"]["test_examples"]
+    assert n == results["lightning"]["test_examples"] == results["accelerate"]["test_examples"] == 32
+    for peer in ("lightning", "accelerate"):
+        assert results[peer]["global_steps"] == results["fastpt"]["global_steps"]
+        assert abs(results[peer]["test_acc"] - results["fastpt"]["test_acc"]) <= 1 / n
+        assert results[peer]["test_loss"] == pytest.approx(results["fastpt"]["test_loss"], rel=1e-3)
+    assert results["bare"]["global_steps"] == results["fastpt"]["global_steps"]
