@@ -31,3 +31,13 @@ def group_by_length(indices: list[int], lengths, batch_size: int, multiplier: in
         batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
     order = torch.randperm(len(batches), generator=generator).tolist()
     return [batches[i] for i in order]
+
+
+def padding_efficiency(lengths, batches: list[list[int]], pad_to: int | None = None) -> float:
+    """Real tokens / computed tokens when each batch is padded to `pad_to`, or to its own longest."""
+    real = padded = 0
+    for batch in batches:
+        batch_lengths = [int(lengths[i]) for i in batch]
+        real += sum(batch_lengths)
+        padded += len(batch) * (pad_to if pad_to is not None else max(batch_lengths))
+    return real / max(1, padded)

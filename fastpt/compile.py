@@ -7,9 +7,15 @@ kernels. `max-autotune` also benchmarks matmul kernels; `reduce-overhead` adds C
 Why it is faster: fewer kernel launches and fewer round trips through memory for the
 element-wise work between matmuls (GELU, dropout, layer norm, residual adds).
 
-What it costs: the first steps compile (tens of seconds, reported apart from training time),
-a new input shape may recompile (bucketed batches vary in length: after the second distinct
-length the graph is marked dynamic), and errors show up as long traces.
+What it costs: the first step compiles (tens of seconds on a GPU, minutes on a small CPU;
+`first_step_s` in results.json reports it apart from the measured steps, which leave it out),
+evaluation compiles once more (no_grad and eval mode change the graph), and errors show up as
+long traces. Each new input shape would recompile a static graph: with fixed padding
+(`--pad-to max_length`) every batch has one shape, so the graph stays static; with dynamic
+padding (`--bucket`, `--pad-to longest`) every batch has its own length, so the sizes are
+compiled as symbols from the start (`dynamic=True`) - one compile for every length, instead of
+a static compile, then a recompile once the second length shows up. `reduce-overhead` records
+a CUDA graph per distinct shape, so it pays off with fixed padding, less with dynamic padding.
 
 Order against the other wrappers (fixed in the strategies, see strategies/base.py):
 model.to(device) -> [FSDP shards the layers] -> compile -> [DDP wraps the compiled module].
@@ -28,8 +34,13 @@ import sys
 import torch
 
 
-def apply_compile(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
-    return torch.compile(model, mode=None if mode == "default" else mode)
+def apply_compile(model: torch.nn.Module, mode: str = "default", dynamic_shapes: bool = False) -> torch.nn.Module:
+    """The compiled model. `dynamic_shapes`: batches vary in length (dynamic padding).
+
+    Without it, `dynamic=None` lets TorchDynamo mark a size dynamic only once it changes (the
+    last, smaller evaluation batch), keeping the fixed-shape training graph fully static.
+    """
+    return torch.compile(model, mode=None if mode == "default" else mode, dynamic=True if dynamic_shapes else None)
 
 
 def check_compile_supported() -> None:

@@ -53,7 +53,9 @@ class Strategy:
         self.optimizer = self.build_optimizer(self.module)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        return apply_compile(module, self.cfg.compile_mode) if self.cfg.compile else module
+        if not self.cfg.compile:
+            return module
+        return apply_compile(module, self.cfg.compile_mode, dynamic_shapes=self.cfg.pad_to == "longest")
 
     def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         """The article's Adam (lr 5e-5, no weight decay), fused into one kernel where asked or on CUDA.
