@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import re
 import tempfile
 from pathlib import Path
 
@@ -67,10 +69,31 @@ def load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"refused to load {path}: it holds objects other than tensors and plain data ({first[:160]})") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0][:200]}") from None
+        if "weights only load failed" in str(e).lower():
+            # The restricted unpickler met a global it does not allow (a class, a function to call).
+            culprit = re.search(r"GLOBAL (\S+)", str(e))
+            detail = f"it would import {culprit.group(1)}" if culprit else "not plain tensors and data"
+            raise CheckpointError(f"refused to load {path}: {detail} (only tensors and plain data are loaded)") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(e)} (corrupt or not a checkpoint?)") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(e)} (corrupt or incomplete?)") from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else e.__class__.__name__
+
+
+def to_bytes(obj) -> bytes:
+    """obj as torch.save bytes: how tensors travel through all_gather_object between ranks
+    (pickling tensors directly there fails on load), and are read back with weights_only."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def load_model_weights(path: Path) -> dict:

@@ -42,6 +42,10 @@ class GracefulStop:
             os._exit(128 + signum)  # second signal: stop now
         self.signum = signum
 
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "no signal"
+
     def requested(self) -> bool:
         """True on every rank if any rank received a signal (a collective under torchrun)."""
         flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)

@@ -87,26 +87,35 @@ class Trainer:
                                if cfg.early_stopping_patience else None)
         self.best = BestTracker(cfg.monitor_mode)
         self.stopper = GracefulStop()
+        self._resumed_window = None
 
     # ------------------------------------------------------------------ building
-    def build(self) -> None:
+    def load_inputs(self) -> None:
+        """Tokenizer, model and data: everything bad input can break, read before the run folder
+        is touched (run.py calls this first, so a bad --model or --data-dir writes nothing)."""
         cfg, dist = self.cfg, self.dist
-        self.tracker = (Tracker(self.out_dir, cfg.progress, cfg.tensorboard, purge_step=self._resume_step())
-                        if dist.is_main else NullTracker())
         self._configure_backends()
         seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
         tokenizer = load_tokenizer(cfg.model)
-        model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation)
-        splits, cache_path = data.prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length,
-                                                 is_main=dist.is_main, barrier=distributed.barrier)
+        self.initial_model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation)
+        splits, self.cache_path = data.prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length,
+                                                      is_main=dist.is_main, barrier=distributed.barrier)
         self.splits = {
             "train": splits["train"].head(cfg.train_size),
             "validation": splits["validation"].head(cfg.val_size),
             "test": splits["test"].head(cfg.test_size),
         }
-        self.tracker.print(f"data: {cache_path} | train {len(self.splits['train'])}, "
-                           f"validation {len(self.splits['validation'])}, test {len(self.splits['test'])}")
         self._build_loaders(tokenizer.pad_token_id or 0)
+
+    def build(self) -> None:
+        cfg, dist = self.cfg, self.dist
+        if not hasattr(self, "splits"):
+            self.load_inputs()
+        model, self.initial_model = self.initial_model, None  # the strategy holds it from here on
+        self.tracker = (Tracker(self.out_dir, cfg.progress, cfg.tensorboard, purge_step=self._resume_step())
+                        if dist.is_main else NullTracker())
+        self.tracker.print(f"data: {self.cache_path} | train {len(self.splits['train'])}, "
+                           f"validation {len(self.splits['validation'])}, test {len(self.splits['test'])}")
         n_params, n_matmul = count_parameters(model)
         layers, hidden = metrics.model_shape(model)
         self.strategy = build_strategy(cfg, dist)
@@ -183,8 +192,8 @@ class Trainer:
             self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, seen
         strategy.train()
         bar = self.tracker.bar(n_batches, f"epoch {self.epoch + 1}/{cfg.epochs}", initial=self.batch_in_epoch)
-        window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        window_count = 0
+        window_loss, window_count = self._resumed_window or (torch.zeros((), dtype=torch.float64, device=self.device), 0)
+        self._resumed_window = None
         first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
         self.meter.start()
         epoch_start = time.perf_counter()
@@ -223,7 +232,10 @@ class Trainer:
                 self.first_step_s = time.perf_counter() - epoch_start
             self.meter.end_step()
             at_log = self.global_step % cfg.log_every == 0
-            at_save = cfg.save_every is not None and self.global_step % cfg.save_every == 0
+            # Not on the epoch's last step: the end-of-epoch checkpoint follows, after validation
+            # has logged at this same step (a resume from here would log those points twice).
+            epoch_ends = self.batch_in_epoch == n_batches or self._max_steps_reached()
+            at_save = cfg.save_every is not None and self.global_step % cfg.save_every == 0 and not epoch_ends
             if at_log or at_save:
                 self._check_finite(first_bad_step)
             if at_log:
@@ -231,11 +243,13 @@ class Trainer:
                 window_loss.zero_()
                 window_count = 0
             if at_save:
-                self.save_last()
+                self.save_last(window=(window_loss, window_count))
             if self.stopper.requested():
-                self._check_finite(first_bad_step)
-                self.save_last()
-                raise StopRequested(f"stopped by signal {self.stopper.signum} at step {self.global_step}; "
+                # Finish the step, keep it, then leave: never lose more than the step in flight.
+                if not at_save:
+                    self._check_finite(first_bad_step)
+                    self.save_last(window=(window_loss, window_count))
+                raise StopRequested(f"{self.stopper.signal_name} at step {self.global_step}, checkpoint saved; "
                                     f"resume with --resume auto --out {self.out_dir}")
             if self._max_steps_reached():
                 break
@@ -260,6 +274,9 @@ class Trainer:
         self.tracker.scalars({"loss": loss, "lr": self.strategy.optimizer.param_groups[0]["lr"] if self.strategy.optimizer else self.cfg.lr,
                               **rates}, self.global_step, prefix="train/")
         bar.set_postfix(loss=f"{loss:.4f}", **({"samples/s": f"{rates['samples_per_s']:.1f}"} if rates else {}))
+        if not self.tracker.progress:  # no bar to show it: one line per log step instead
+            self.tracker.print(f"step {self.global_step}: loss {loss:.4f}"
+                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else ""))
 
     def _evaluate(self, split: str) -> dict:
         loader = self.eval_loaders[split]
@@ -298,11 +315,21 @@ class Trainer:
                                     "step": self.global_step, "monitor": self.cfg.monitor, "value": value},
                                    self.ckpt_dir / "best.pt")
 
-    def save_last(self) -> None:
-        """checkpoints/last.pt: everything needed to continue exactly from this step."""
+    def save_last(self, window: tuple | None = None) -> None:
+        """checkpoints/last.pt: everything needed to continue exactly from this step.
+
+        Per rank: the RNG states (dropout masks), the running sums of the epoch's training
+        metrics and the loss window since the last log line, so a resumed run logs, averages
+        and draws exactly what the uninterrupted run would have.
+        """
         training = self.strategy.training_state(self.ckpt_dir)
-        per_rank = distributed.all_gather_object({"rng": rng_state(), "epoch_sums": None if self.epoch_sums is None
-                                                  else self.epoch_sums.cpu()})
+        window_loss, window_count = window if window is not None else (None, 0)
+        mine = checkpoint.to_bytes({
+            "rng": rng_state(),
+            "epoch_sums": None if self.epoch_sums is None else self.epoch_sums.cpu(),
+            "window": None if window_loss is None else (window_loss.cpu(), window_count),
+        })
+        per_rank = [checkpoint.from_bytes(b) for b in distributed.all_gather_object(mine)]
         if not self.dist.is_main:
             return
         state = {
@@ -319,7 +346,12 @@ class Trainer:
         checkpoint.save_atomic(state, self.ckpt_dir / "last.pt")
 
     def _resume_step(self):
-        return self.resume_state["progress"]["global_step"] if getattr(self, "resume_state", None) else None
+        """TensorBoard's purge_step: drop what a killed run logged after its checkpoint.
+
+        Everything up to and including the checkpoint's step was logged before it was saved,
+        so the resumed run's first new event is at step + 1.
+        """
+        return self.resume_state["progress"]["global_step"] + 1 if getattr(self, "resume_state", None) else None
 
     def _maybe_resume(self) -> None:
         state = getattr(self, "resume_state", None)
@@ -336,6 +368,9 @@ class Trainer:
         mine = state["per_rank"][self.dist.rank]
         set_rng_state(mine["rng"])
         self.epoch_sums = None if mine["epoch_sums"] is None else mine["epoch_sums"].to(self.device)
+        if mine.get("window") is not None:
+            window_loss, window_count = mine["window"]
+            self._resumed_window = (window_loss.to(self.device), window_count)
         self.tracker.print(f"resumed from step {self.global_step} (epoch {self.epoch + 1}, batch {self.batch_in_epoch})")
 
     # ------------------------------------------------------------------ test and results

@@ -1,0 +1,291 @@
+"""Reliability: a killed, crashed or stopped run resumes to exactly the uninterrupted result.
+
+Every resume test compares against a reference: the same flags run without interruption, in
+deterministic fp32 (or fp16 AMP) on the CPU with one thread, so equality is bitwise: weights,
+optimiser and GradScaler state, history, test metrics and TensorBoard curves.
+The faults are injected by tests/faults/inject.py at a step chosen at random (printed, and
+fixed with FASTPT_FAULT_SEED=N to replay a failure).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastpt import checkpoint
+from fastpt.run import EXIT_BAD_INPUT, main
+from fastpt.signals import EXIT_STOPPED
+
+ROOT = Path(__file__).resolve().parent.parent
+INJECT = ROOT / "tests" / "faults" / "inject.py"
+TIMING_KEYS = {"train_time_s", "first_step_s", "samples_per_s", "tokens_per_s", "padded_tokens_per_s",
+               "data_wait_share", "mfu", "peak_memory_bytes", "padding_efficiency"}
+STEPS_PER_EPOCH = 6  # 48 training examples, batch 8
+EPOCHS = 2
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def fault_rng() -> random.Random:
+    seed = int(os.environ.get("FASTPT_FAULT_SEED", random.SystemRandom().randrange(1 << 30)))  # runs reseed `random`
+    print(f"FASTPT_FAULT_SEED={seed}")
+    return random.Random(seed)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_deterministic():
+    """One thread (as the subprocesses use) and restore the global switches a run turns on."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def flags(imdb_dir, cache_dir, out: Path, *extra: str) -> list[str]:
+    return ["--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir),
+            "--max-length", "32", "--batch-size", "8", "--train-size", "48", "--epochs", str(EPOCHS),
+            "--log-every", "2", "--save-every", "3", "--deterministic", "--no-progress", "--out", str(out), *extra]
+
+
+def env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONPATH": str(ROOT)}
+
+
+def inject(fault: list[str], args: list[str], torchrun: int = 0) -> subprocess.CompletedProcess:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", "--standalone"]
+                if torchrun else [sys.executable])
+    return subprocess.run([*launcher, str(INJECT), *fault, "--", *args], env=env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+
+
+# ---------------------------------------------------------------------------- comparing runs
+
+def assert_equal_tree(a, b, where: str = "") -> None:
+    """Bitwise equality of nested checkpoints (tensors compared exactly, NaN-safe)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(_bytes(a), _bytes(b)), f"tensors differ at {where}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"keys differ at {where}: {a.keys() ^ b.keys()}"
+        for k in a:
+            assert_equal_tree(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)  # bitwise, and NaN equals NaN
+
+
+def results(run: Path) -> dict:
+    import json
+    data = json.loads((run / "results.json").read_text())
+    data["history"] = [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in data["history"]]
+    return {k: v for k, v in data.items() if k not in TIMING_KEYS}
+
+
+def tensorboard_curves(run: Path) -> dict:
+    """Every training and epoch scalar as [(step, value)], as TensorBoard shows it after purging."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    keep = [t for t in acc.Tags()["scalars"]
+            if t in ("train/loss", "test/test_acc", "test/test_loss")
+            or (t.startswith("epoch/") and t.split("/")[1] not in TIMING_KEYS)]
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in keep}
+
+
+def assert_same_run(reference: Path, resumed: Path) -> None:
+    assert results(resumed) == results(reference)
+    assert_equal_tree(checkpoint.load(reference / "checkpoints" / "best.pt")["model"],
+                      checkpoint.load(resumed / "checkpoints" / "best.pt")["model"], "best.pt")
+    ref_last = checkpoint.load(reference / "checkpoints" / "last.pt")
+    res_last = checkpoint.load(resumed / "checkpoints" / "last.pt")
+    assert_equal_tree(ref_last["training"], res_last["training"], "last.pt/training")  # weights, Adam, scaler
+    assert_equal_tree(ref_last["per_rank"], res_last["per_rank"], "last.pt/per_rank")  # RNG states
+    ref_curves, res_curves = tensorboard_curves(reference), tensorboard_curves(resumed)
+    assert res_curves == ref_curves
+    for tag, points in res_curves.items():
+        steps = [s for s, _ in points]
+        assert len(steps) == len(set(steps)), f"duplicate steps in {tag}: {steps}"
+
+
+def checkpoint_step(run: Path) -> int:
+    return checkpoint.load(run / "checkpoints" / "last.pt")["progress"]["global_step"]
+
+
+@pytest.fixture(scope="module")
+def reference(imdb_dir, cache_dir, tmp_path_factory) -> Path:
+    """The uninterrupted single-process run every single-process fault is compared with."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(flags(imdb_dir, cache_dir, out)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+# ---------------------------------------------------------------------------- resume equivalence
+
+def test_sigkill_at_random_step_resumes_bitwise(reference, imdb_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    total = STEPS_PER_EPOCH * EPOCHS
+    kill_step = fault_rng().randint(2, total)
+    died = inject(["kill-at-step", str(kill_step)], flags(imdb_dir, cache_dir, out))
+    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+    assert not (out / "results.json").exists()
+    saved = (kill_step - 1) // 3 * 3  # the last multiple of --save-every completed before the kill
+    if saved:
+        assert checkpoint_step(out) == saved  # nothing more than the steps since it was lost
+    assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0
+    assert_same_run(reference, out)
+
+
+def test_crash_while_writing_checkpoint_keeps_previous(reference, imdb_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    died = inject(["die-in-save", "3"], flags(imdb_dir, cache_dir, out))  # saves at steps 3, 6, then 9
+    assert died.returncode == 137, died.stderr[-2000:]
+    leftovers = list((out / "checkpoints").glob(".last.pt.*.tmp"))
+    assert leftovers, "the simulated crash should leave its half-written temporary file"
+    assert checkpoint_step(out) == 6  # the previous last.pt, whole and loadable
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load(leftovers[0])  # the half-written file really is broken
+    assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0
+    assert_same_run(reference, out)
+
+
+def test_sigterm_saves_checkpoint_and_exits_3(reference, imdb_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    stop_step = fault_rng().randint(1, STEPS_PER_EPOCH * EPOCHS - 1)
+    stopped = inject(["signal-at-step", str(stop_step), "TERM"], flags(imdb_dir, cache_dir, out))
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-2000:]
+    last_line = stopped.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("stopped: SIGTERM at step") and "--resume auto" in last_line
+    assert checkpoint_step(out) == stop_step  # the step in flight was finished and kept
+    assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0
+    assert_same_run(reference, out)
+
+
+def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    stopped = inject(["signal-twice-at-step", "5", "TERM"], flags(imdb_dir, cache_dir, out))
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-2000:]
+    assert checkpoint_step(out) == 3  # no checkpoint for the abandoned step 5; step 3's is intact
+
+
+def test_sigint_in_process_stops_after_the_step(reference, imdb_dir, cache_dir, tmp_path, monkeypatch, capfd):
+    from fastpt.strategies.base import Strategy
+
+    out = tmp_path / "run"
+    original, calls = Strategy.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 8:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would
+        return original(self)
+
+    monkeypatch.setattr(Strategy, "step", step)
+    assert main(flags(imdb_dir, cache_dir, out)) == EXIT_STOPPED
+    assert capfd.readouterr().err.strip().splitlines()[-1].startswith("stopped: SIGINT at step 8")
+    assert checkpoint_step(out) == 8
+    monkeypatch.setattr(Strategy, "step", original)
+    assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0
+    assert_same_run(reference, out)
+
+
+def test_fp16_amp_resume_keeps_grad_scaler(imdb_dir, cache_dir, tmp_path):
+    amp = ("--amp", "--amp-dtype", "float16", "--save-every", "2")
+    reference_out, out = tmp_path / "reference", tmp_path / "run"
+    assert main(flags(imdb_dir, cache_dir, reference_out, *amp)) == 0
+    scaler = checkpoint.load(reference_out / "checkpoints" / "last.pt")["training"]["scaler"]
+    assert scaler and scaler["_growth_tracker"] > 0  # the scaler state is really saved and moving
+    kill_step = fault_rng().randint(3, STEPS_PER_EPOCH * EPOCHS)
+    died = inject(["kill-at-step", str(kill_step)], flags(imdb_dir, cache_dir, out, *amp))
+    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+    assert main(flags(imdb_dir, cache_dir, out, *amp, "--resume", "auto")) == 0
+    assert_same_run(reference_out, out)
+
+
+def test_ddp_sigkill_resumes_bitwise(imdb_dir, cache_dir, tmp_path):
+    ddp = ("--ddp", "--save-every", "2")  # 2 ranks x 24 examples: 3 steps per epoch
+    reference_out, out = tmp_path / "reference", tmp_path / "run"
+    kill_step = fault_rng().randint(3, 3 * EPOCHS)
+    died = inject(["kill-at-step", str(kill_step)], flags(imdb_dir, cache_dir, out, *ddp), torchrun=2)
+    assert died.returncode != 0 and not (out / "results.json").exists()
+    assert len(checkpoint.load(out / "checkpoints" / "last.pt")["per_rank"]) == 2  # both ranks' RNG and sums
+    # The resumed run, then the uninterrupted reference, in one torchrun launch.
+    both = inject(["two-runs"], [*flags(imdb_dir, cache_dir, out, *ddp, "--resume", "auto"), "--",
+                                 *flags(imdb_dir, cache_dir, reference_out, *ddp)], torchrun=2)
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert_same_run(reference_out, out)
+
+
+# ---------------------------------------------------------------------------- safe loading, NaN
+
+def test_malicious_checkpoint_is_refused_not_run(tmp_path, imdb_dir, cache_dir, capfd):
+    class CreatesFile:
+        def __init__(self, target: Path):
+            self.target = target
+
+        def __reduce__(self):
+            return (open, (str(self.target), "w"))  # unpickling would create the file
+
+    control, target = tmp_path / "created-by-plain-pickle", tmp_path / "must-not-exist"
+    torch.save({"x": CreatesFile(control)}, tmp_path / "control.pt")
+    torch.load(tmp_path / "control.pt", weights_only=False)
+    assert control.exists()  # the payload works when loaded unsafely
+
+    evil = tmp_path / "run" / "checkpoints" / "last.pt"
+    evil.parent.mkdir(parents=True)
+    torch.save({"config": {}, "progress": {}, "training": {"model": CreatesFile(target)}}, evil)
+    with pytest.raises(checkpoint.CheckpointError, match="refused"):
+        checkpoint.load(evil)
+    raw = tmp_path / "raw.pt"
+    raw.write_bytes(pickle.dumps(CreatesFile(target)))  # a bare pickle, not torch.save's zip
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load(raw)
+    capfd.readouterr()
+    args = ["--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--resume", str(evil)]
+    assert main(args) == EXIT_BAD_INPUT
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refused to load" in err[0]
+    assert not target.exists()
+
+
+def test_nan_loss_stops_naming_step_and_keeps_good_checkpoints(imdb_dir, cache_dir, tmp_path, monkeypatch, capfd):
+    import fastpt.trainer as trainer
+
+    out, original, calls = tmp_path / "run", trainer.forward_logits, []
+
+    def poisoned(strategy, batch):
+        logits = original(strategy, batch)
+        calls.append(1)
+        return logits * float("nan") if len(calls) == 8 else logits  # the 8th training batch
+
+    monkeypatch.setattr(trainer, "forward_logits", poisoned)
+    assert main(flags(imdb_dir, cache_dir, out)) == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: training loss became NaN/inf at step 8")
+    assert checkpoint_step(out) == 6  # written before the bad step, not overwritten after it
+    best = checkpoint.load(out / "checkpoints" / "best.pt")
+    assert best["step"] == 6 and all(torch.isfinite(v).all() for v in best["model"].values()
+                                     if v.is_floating_point())
+    assert not (out / "results.json").exists()
