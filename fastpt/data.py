@@ -265,10 +265,11 @@ def make_loader(dataset: TokenizedSplit, batch_sampler: Sampler, collate: Collat
                 pin_memory: bool, seed: int) -> DataLoader:
     kwargs = {}
     if num_workers > 0:
-        kwargs = dict(persistent_workers=True, prefetch_factor=4,
-                      worker_init_fn=_seed_worker, generator=torch.Generator().manual_seed(seed))
-    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
-                      num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+        kwargs = dict(persistent_workers=True, prefetch_factor=4, worker_init_fn=_seed_worker)
+    # A generator of its own even without workers: iter(loader) draws a seed from it, and
+    # drawing from the global RNG instead would shift the dropout masks of a resumed epoch.
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate, num_workers=num_workers,
+                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **kwargs)
 
 
 def _seed_worker(worker_id: int) -> None:
