@@ -1,0 +1,265 @@
+"""Single-device speed-ups side by side: a fixed number of training steps per configuration.
+
+    python scripts/bench_single.py --data-dir ../shared/data                 # CPU: tiny model, a few minutes
+    python scripts/bench_single.py --model distilbert-base-uncased --random-init \\
+        --max-length 512 --steps 60 --data-dir DIR                           # GPU: the headline numbers
+
+Each configuration is a real `train.py --max-steps N` run in its own process (fresh memory
+peak, fresh compile caches), under torchrun for the multi-GPU ones (`--nproc`); its
+results.json gives the numbers, so the training loop, the warm-up handling and the meters are
+the project's own. Printed and written to `--out`: a Markdown table of samples/s, real
+tokens/s, padding efficiency, MFU, peak memory, compile/first-step time, speed-up over the
+first configuration and the time the article's run (3 epochs of 35,000 reviews) would take
+at that speed; a PNG bar chart; and the padding efficiency of the real training split at
+512 tokens: every review padded to 512, random batches padded to their longest, and --bucket.
+
+The throughput numbers are only as quiet as the machine: measure on an otherwise idle one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# name -> train.py flags. The first configuration run is the baseline of the speed-up column.
+CONFIGS = {
+    "fp32": [],  # the article's baseline: float32, every review padded to --max-length
+    "fp32-tf32": ["--tf32"],
+    "fp16": ["--amp"],  # precision="16-mixed"
+    "fp16-compile": ["--amp", "--compile"],
+    "fp16-compile-bucket": ["--amp", "--compile", "--bucket"],
+    "bf16": ["--amp", "--amp-dtype", "bfloat16"],  # precision="bf16-mixed"
+    "bf16-compile": ["--amp", "--amp-dtype", "bfloat16", "--compile"],
+    "bf16-compile-bucket": ["--amp", "--amp-dtype", "bfloat16", "--compile", "--bucket"],
+    "bf16-bucket": ["--amp", "--amp-dtype", "bfloat16", "--bucket"],
+    "best": ["--amp", "--compile", "--bucket", "--tf32"],  # fastpt's best single-device configuration
+    "fp16-deterministic": ["--amp", "--deterministic"],  # the cost of bitwise-repeatable runs
+    "fp32-deterministic": ["--deterministic"],
+    # Multi-process strategies, launched with torchrun --nproc_per_node=--nproc.
+    "ddp-fp16": ["--amp", "--ddp"],
+    "fsdp-fp16": ["--amp", "--fsdp"],
+    "deepspeed-fp16": ["--amp", "--deepspeed"],
+}
+DISTRIBUTED = ("ddp-fp16", "fsdp-fp16", "deepspeed-fp16")
+DEFAULT_CONFIGS = {
+    # float16 autocast on most CPUs is emulated and slow; bfloat16 is the CPU's mixed precision.
+    "cpu": ["fp32", "bf16", "bf16-compile", "bf16-compile-bucket"],
+    "cuda": ["fp32", "fp32-tf32", "fp16", "fp16-compile", "fp16-compile-bucket", "bf16", "bf16-compile-bucket",
+             "fp16-deterministic"],
+}
+ARTICLE = {"epochs": 3, "train_reviews": 35_000}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny", help="tiny, minilm, distilbert-base-uncased (with --random-init), ...")
+    p.add_argument("--random-init", action="store_true")
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=12)
+    p.add_argument("--steps", type=int, default=24, help="optimiser steps per configuration (3 are warm-up)")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated, from: {', '.join(CONFIGS)} (default: a set for the device)")
+    p.add_argument("--nproc", type=int, default=1, help="processes for the ddp/fsdp/deepspeed configurations")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--data-dir", default=os.environ.get("FASTPT_DATA_DIR"))
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out", default=None, help="where the table, JSON and chart go (default: scripts/results/...)")
+    p.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench"), help="the runs' own folders")
+    p.add_argument("--run-timeout", type=float, default=900, help="seconds before one configuration is abandoned")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds for the whole benchmark: configurations that would start later are skipped")
+    p.add_argument("--no-padding-report", dest="padding_report", action="store_false",
+                   help="skip the real-data padding efficiency")
+    p.add_argument("--no-chart", dest="chart", action="store_false")
+    p.add_argument("--title", default=None, help="heading of the Markdown table")
+    return p.parse_args(argv)
+
+
+def device_type(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --------------------------------------------------------------------------- running
+
+def train_command(args, name: str, out: Path) -> list[str]:
+    flags = ["--model", args.model, "--max-length", str(args.max_length), "--batch-size", str(args.batch_size),
+             "--epochs", "1", "--max-steps", str(args.steps), "--log-every", str(args.steps),
+             # Evaluation is not what is measured: two batches keep its (compiled) run short.
+             "--val-size", str(2 * args.batch_size), "--test-size", str(2 * args.batch_size),
+             "--device", args.device, "--no-progress", "--no-tensorboard", "--overwrite", "--out", str(out)]
+    flags += ["--random-init"] if args.random_init else []
+    flags += ["--data-dir", args.data_dir] if args.data_dir else []
+    flags += ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    flags += CONFIGS[name]
+    if name in DISTRIBUTED:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+        return launcher + [str(ROOT / "train.py")] + flags
+    return [sys.executable, str(ROOT / "train.py")] + flags
+
+
+def run_config(args, name: str, timeout: float) -> dict:
+    """One configuration in its own process; its results.json, or why there is none."""
+    out = Path(args.runs_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
+    command = train_command(args, name, out)
+    print(f"[{name}] {' '.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    with open(out / "bench.log", "w") as log:
+        try:
+            rc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - start
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # only the numbers are kept
+    results_file = out / "results.json"
+    if rc != 0 or not results_file.exists():
+        tail = (out / "bench.log").read_text(errors="replace").strip().splitlines()[-3:]
+        print(f"[{name}] failed ({rc}) after {wall:.0f} s; log: {out / 'bench.log'}\n  " + "\n  ".join(tail), flush=True)
+        return {"name": name, "failed": f"exit {rc}", "wall_s": wall}
+    results = json.loads(results_file.read_text())
+    print(f"[{name}] {results['samples_per_s']:.2f} samples/s, first step {results['first_step_s']:.1f} s, "
+          f"{wall:.0f} s in all", flush=True)
+    return {"name": name, "flags": " ".join(CONFIGS[name]), "wall_s": wall, **{k: results.get(k) for k in (
+        "samples_per_s", "tokens_per_s", "padded_tokens_per_s", "padding_efficiency", "mfu", "data_wait_share",
+        "peak_memory_bytes", "first_step_s", "world_size", "device_name", "torch")}}
+
+
+# --------------------------------------------------------------------------- reporting
+
+def padding_report(args) -> dict:
+    """Real tokens / computed tokens on the real training split, batch --batch-size, 512 tokens."""
+    from fastpt import data
+    from fastpt.bucketing import padding_efficiency
+    from fastpt.models import load_tokenizer
+
+    splits, _ = data.prepare_splits(args.data_dir, args.cache_dir, load_tokenizer(args.model), 512)
+    train = splits["train"]
+    plain = data.TrainBatchSampler(train, args.batch_size, 0, 1, seed=123)
+    bucketed = data.TrainBatchSampler(train, args.batch_size, 0, 1, seed=123, bucket=True)
+    plain.set_epoch(0)
+    bucketed.set_epoch(0)
+    return {"examples": len(train), "mean_tokens": float(train.lengths.mean()), "batch_size": args.batch_size,
+            "pad_to_512": padding_efficiency(train.lengths, list(plain), pad_to=512),
+            "random_batches_to_longest": padding_efficiency(train.lengths, list(plain)),
+            "bucket": padding_efficiency(train.lengths, list(bucketed))}
+
+
+def _fmt(value, spec: str, missing: str = "n/a") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def markdown(args, rows: list[dict], padding: dict | None) -> str:
+    base = next((r for r in rows if "failed" not in r), None)
+    total = ARTICLE["epochs"] * ARTICLE["train_reviews"]
+    lines = [f"## {args.title or 'Single-device speed-ups'}", "",
+             f"model `{args.model}`{' (random init)' if args.random_init else ''}, batch {args.batch_size}, "
+             f"max length {args.max_length}, {args.steps} steps per configuration (3 warm-up steps left out), "
+             f"device {next((r['device_name'] for r in rows if r.get('device_name')), '?')}, "
+             f"torch {next((r['torch'] for r in rows if r.get('torch')), '?')}", "",
+             "| configuration | flags | samples/s | real tokens/s | padding eff. | MFU | peak memory | "
+             "first step (compile) | speed-up | est. 3 x 35k train steps |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['name']} | {' '.join(CONFIGS[r['name']])} | {r['failed']} | | | | | | | |")
+            continue
+        speedup = r["samples_per_s"] / base["samples_per_s"] if base and base["samples_per_s"] else None
+        minutes = total / r["samples_per_s"] / 60 if r["samples_per_s"] else None
+        nproc = f" (x{r['world_size']})" if (r.get("world_size") or 1) > 1 else ""
+        lines.append(f"| {r['name']}{nproc} | `{r['flags'] or '(none)'}` | {r['samples_per_s']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {_fmt(r['padding_efficiency'], '.3f')} | "
+                     f"{_fmt(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
+                     f"{r['peak_memory_bytes'] / 2**30:.2f} GiB | {r['first_step_s']:.1f} s | "
+                     f"{_fmt(speedup, '.2f')}x | {_fmt(minutes, '.1f')} min |")
+    lines += ["", "Speed-up: samples/s over the first row (same reviews, so it is the time ratio). "
+              "Estimated time: 3 epochs x 35,000 reviews at the measured samples/s, training steps only "
+              "(validation, testing and compilation excluded). MFU: model FLOPs (6N + 12LdT per token) over "
+              "the device's peak; n/a where the peak is unknown (CPUs). Peak memory: CUDA allocator peak on "
+              "a GPU, process peak RSS on the CPU."]
+    if padding:
+        lines += ["", f"Padding efficiency on the real IMDB training split ({padding['examples']:,} reviews, "
+                  f"mean {padding['mean_tokens']:.0f} tokens, batch {padding['batch_size']}, 512 tokens):", "",
+                  "| batches | real / computed tokens |", "|---|---:|",
+                  f"| every review padded to 512 (the article) | {padding['pad_to_512']:.3f} |",
+                  f"| random batches padded to their longest | {padding['random_batches_to_longest']:.3f} |",
+                  f"| `--bucket` (length-grouped, padded to their longest) | {padding['bucket']:.3f} |"]
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if "failed" not in r]
+    if not done:
+        return
+    base = done[0]["samples_per_s"]
+    fig, ax = plt.subplots(figsize=(1.3 * len(done) + 2, 4))
+    bars = ax.bar([r["name"] for r in done], [r["samples_per_s"] for r in done], color="tab:blue")
+    for bar, r in zip(bars, done):
+        ax.annotate(f"{r['samples_per_s'] / base:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("training samples / s")
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dev = device_type(args.device)
+    names = args.configs.split(",") if args.configs else DEFAULT_CONFIGS[dev]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        print(f"error: unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out or ROOT / "scripts" / "results" / f"bench_single-{dev}-{args.model.split('/')[-1]}")
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    padding = padding_report(args) if args.padding_report else None  # also builds the token cache once
+    rows = []
+    for name in names:
+        left = None if args.deadline is None else args.deadline - (time.perf_counter() - started)
+        if name in DISTRIBUTED and args.nproc < 2:
+            print(f"[{name}] skipped: needs --nproc 2 or more", flush=True)
+            continue
+        if left is not None and left < 30:
+            print(f"[{name}] skipped: the --deadline is reached", flush=True)
+            rows.append({"name": name, "failed": "skipped (deadline)"})
+            continue
+        rows.append(run_config(args, name, args.run_timeout if left is None else min(args.run_timeout, left)))
+    table = markdown(args, rows, padding)
+    print("\n" + table)
+    (out / "bench.md").write_text(table)
+    (out / "bench.json").write_text(json.dumps({"args": vars(args), "rows": rows, "padding": padding}, indent=2) + "\n")
+    if args.chart:
+        bar_chart(rows, out / "bench.png", f"{args.model}, batch {args.batch_size}, length {args.max_length}")
+    print(f"written: {out}/bench.md, bench.json{', bench.png' if args.chart else ''} "
+          f"({time.perf_counter() - started:.0f} s in all)")
+    failed = [r["name"] for r in rows if "failed" in r and not r["failed"].startswith("skipped")]
+    if padding and padding["bucket"] < 0.97:
+        print(f"error: --bucket padding efficiency {padding['bucket']:.3f} is below 0.97", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
