@@ -173,7 +173,7 @@ def main(argv=None) -> int:
             return EXIT_STOPPED
         except (NonFiniteLoss, CheckpointError) as e:
             if dist.is_main:
-                print(f"error: {e}", file=sys.stderr)
+                print(f"error: {_one_line(e)}", file=sys.stderr)
             return EXIT_FAILED
         if dist.is_main:
             print(f"outputs: {plan.out}")
@@ -184,5 +184,10 @@ def main(argv=None) -> int:
 
 def _bad_input(e: Exception, is_main: bool = True) -> int:
     if is_main:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def _one_line(e: Exception) -> str:
+    """The message on one line: some (tarfile's, for one) span several."""
+    return " ".join(str(e).split()) or e.__class__.__name__

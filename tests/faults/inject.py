@@ -2,7 +2,6 @@
 
     python tests/faults/inject.py kill-at-step K -- TRAIN ARGS      # SIGKILL itself inside step K
     python tests/faults/inject.py signal-at-step K TERM -- ARGS     # send itself SIGTERM in step K
-    python tests/faults/inject.py signal-twice-at-step K TERM -- ARGS
     python tests/faults/inject.py die-in-save N -- ARGS             # die halfway through writing
                                                                     # the N-th last.pt
     python tests/faults/inject.py two-runs -- ARGS1 -- ARGS2        # no fault: two runs, one launch
@@ -84,10 +83,9 @@ def main_with_fault(argv: list[str]) -> int:
         return two_runs(train_args[:split], train_args[split + 1:])
     if kind == "kill-at-step":
         at_step(int(fault[1]), lambda: os.kill(os.getpid(), signal.SIGKILL))
-    elif kind in ("signal-at-step", "signal-twice-at-step"):
+    elif kind == "signal-at-step":
         sig = getattr(signal, "SIG" + fault[2])
-        times = 2 if kind == "signal-twice-at-step" else 1
-        at_step(int(fault[1]), lambda: [os.kill(os.getpid(), sig) for _ in range(times)])
+        at_step(int(fault[1]), lambda: os.kill(os.getpid(), sig))
     elif kind == "die-in-save":
         die_in_save(int(fault[1]))
     else:
