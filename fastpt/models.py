@@ -27,6 +27,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
 
 NUM_LABELS = 2
 ARTICLE_MODEL = "distilbert-base-uncased"
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
 
 
 class ModelError(RuntimeError):
@@ -62,6 +63,9 @@ def load_tokenizer(name: str):
             except OSError:
                 pass  # offline: same vocabulary below
         return AutoTokenizer.from_pretrained(str(minilm_dir()))
+    if os.path.isdir(name) and not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would build a tokenizer with an empty vocabulary here instead of failing
+        raise ModelError(f"model folder {name} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
