@@ -169,10 +169,10 @@ class Trainer:
             self._maybe_resume()
             stopped_early = self.early_stopping is not None and self.early_stopping.stopped
             while self.epoch < cfg.epochs and not stopped_early and not self._max_steps_reached():
-                start = time.perf_counter()
+                self.epoch_start = time.perf_counter()
                 train_metrics = self._train_epoch()
                 val = self._evaluate("validation")
-                self.train_time_s += time.perf_counter() - start
+                self.train_time_s += time.perf_counter() - self.epoch_start
                 stopped_early = self._end_of_epoch(train_metrics, val)
             results = self._test_and_report(stopped_early)
         finally:
@@ -332,12 +332,14 @@ class Trainer:
         per_rank = [checkpoint.from_bytes(b) for b in distributed.all_gather_object(mine)]
         if not self.dist.is_main:
             return
+        # Mid-epoch, the epoch's time so far is not in train_time_s yet (fit adds it at the end).
+        elapsed = self.train_time_s + (time.perf_counter() - self.epoch_start if self.batch_in_epoch else 0.0)
         state = {
             "config": self.cfg.to_dict(),
             "world_size": self.dist.world_size,
             "training": training,
             "progress": {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "global_step": self.global_step,
-                         "train_time_s": self.train_time_s, "first_step_s": self.first_step_s},
+                         "train_time_s": elapsed, "first_step_s": self.first_step_s},
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
             "best": self.best.state_dict(),
             "history": self.history,

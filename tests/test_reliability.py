@@ -246,6 +246,9 @@ def test_sigint_in_process_stops_after_the_step(reference, imdb_dir, cache_dir, 
     assert main(flags(imdb_dir, cache_dir, out)) == EXIT_STOPPED
     assert capfd.readouterr().err.strip().splitlines()[-1].startswith("stopped: SIGINT at step 8")
     assert checkpoint_step(out) == 8
+    progress = checkpoint.load(out / "checkpoints" / "last.pt")["progress"]
+    epoch_1_time = checkpoint.load(out / "checkpoints" / "last.pt")["history"][0]["train_time_s"]
+    assert progress["train_time_s"] > epoch_1_time  # the 2 steps of epoch 2 are counted too
     monkeypatch.setattr(Strategy, "step", original)
     assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0
     assert_same_run(reference, out)
