@@ -73,8 +73,10 @@ def load(path: Path) -> dict:
             # The restricted unpickler met a global it does not allow (a class, a function to call).
             culprit = re.search(r"GLOBAL (\S+)", str(e))
             detail = f"it would import {culprit.group(1)}" if culprit else "not plain tensors and data"
-            raise CheckpointError(f"refused to load {path}: {detail} (only tensors and plain data are loaded)") from None
-        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(e)} (corrupt or not a checkpoint?)") from None
+            raise CheckpointError(f"refused to load {path}: {detail} "
+                                  f"(only tensors and plain data are loaded)") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(e)} "
+                              f"(corrupt or not a checkpoint?)") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(e)} (corrupt or incomplete?)") from None
 

@@ -192,7 +192,8 @@ class Trainer:
             self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, seen
         strategy.train()
         bar = self.tracker.bar(n_batches, f"epoch {self.epoch + 1}/{cfg.epochs}", initial=self.batch_in_epoch)
-        window_loss, window_count = self._resumed_window or (torch.zeros((), dtype=torch.float64, device=self.device), 0)
+        window_loss, window_count = (self._resumed_window  # losses since the last log line
+                                     or (torch.zeros((), dtype=torch.float64, device=self.device), 0))
         self._resumed_window = None
         first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
         self.meter.start()
