@@ -201,15 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-pin-memory", dest="pin_memory", action="store_false")
     g.add_argument("--pad-to", default=d.pad_to, choices=("max_length", "longest"))
     g.add_argument("--bucket", action="store_true", help="length-grouped batches with dynamic padding")
-    g.add_argument("--bucket-multiplier", type=int, default=d.bucket_multiplier,
-                   help="mega-batch size in batches for --bucket")
+    g.add_argument("--bucket-multiplier", type=int, default=None,
+                   help=f"mega-batch size in batches for --bucket (default {d.bucket_multiplier})")
 
     g = p.add_argument_group("single-device speed-ups")
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     g.add_argument("--amp", action="store_true", help="automatic mixed precision")
-    g.add_argument("--amp-dtype", default=d.amp_dtype, choices=("float16", "bfloat16"))
+    g.add_argument("--amp-dtype", default=None, choices=("float16", "bfloat16"), help=f"with --amp (default {d.amp_dtype})")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--compile-mode", default=d.compile_mode, choices=("default", "max-autotune", "reduce-overhead"))
+    g.add_argument("--compile-mode", default=None, choices=("default", "max-autotune", "reduce-overhead"),
+                   help=f"with --compile (default {d.compile_mode})")
     g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None)
     g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false")
     g.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA")
@@ -221,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard")
     g.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO")
     g.add_argument("--fsdp-reshard-after-forward", dest="fsdp_reshard_after_forward",
-                   action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--zero-stage", type=int, default=d.zero_stage, choices=(1, 2, 3))
+                   action=argparse.BooleanOptionalAction, default=None, help="with --fsdp (default on)")
+    g.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3), help=f"with --deepspeed (default {d.zero_stage})")
     g.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config to use instead of fastpt's")
 
     g = p.add_argument_group("outputs and reliability")
@@ -243,4 +244,16 @@ def parse_args(argv=None) -> TrainConfig:
     if len(chosen) > 1:
         raise ValueError(f"choose one strategy, not {' and '.join('--' + c for c in chosen)}")
     args["strategy"] = chosen[0] if chosen else "single"
+    # A flag that only means something beside another is refused without it, never ignored.
+    for name, needed, present in (
+        ("amp_dtype", "--amp", args["amp"]),
+        ("compile_mode", "--compile", args["compile"]),
+        ("bucket_multiplier", "--bucket", args["bucket"]),
+        ("zero_stage", "--deepspeed", args["strategy"] == "deepspeed"),
+        ("fsdp_reshard_after_forward", "--fsdp", args["strategy"] == "fsdp"),
+    ):
+        if args[name] is None:
+            args[name] = getattr(TrainConfig, name)
+        elif not present:
+            raise ValueError(f"--{_flag(name)} needs {needed}")
     return TrainConfig(**args)
