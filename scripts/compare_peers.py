@@ -62,9 +62,9 @@ CONFIGS = {
 
 # Workload flags, spelt the same for train.py and the peers.
 PRESETS = {
-    "cpu": ("pretrained MiniLM-L6, first 360/120/240 reviews, 128 tokens, batch 12, 2 epochs",
+    "cpu": ("pretrained MiniLM-L6, first 288/96/240 reviews, 128 tokens, batch 12, 2 epochs",
             ("--model", "minilm", "--max-length", "128", "--batch-size", "12", "--epochs", "2",
-             "--train-size", "360", "--val-size", "120", "--test-size", "240"), ("fp32", "bf16", "ddp")),
+             "--train-size", "288", "--val-size", "96", "--test-size", "240"), ("fp32", "bf16", "ddp")),
     "tiny": ("2-layer 64-wide DistilBERT (random init), first 1200/120/240 reviews, 64 tokens, batch 12, 1 epoch: "
              "framework overhead dominates", ("--model", "tiny", "--max-length", "64", "--batch-size", "12",
                                               "--epochs", "1", "--train-size", "1200", "--val-size", "120",
