@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     trainer = L.Trainer(
         max_epochs=args.epochs,
         accelerator="gpu" if on_cuda else "cpu",
-        devices=world_size,
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),  # per node, as torchrun set it
+        num_nodes=world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         strategy="ddp" if world_size > 1 else "auto",
         precision=PRECISION[args.precision],
         callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_acc", mode="max", save_top_k=1),
