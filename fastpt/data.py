@@ -230,21 +230,29 @@ def split_keys(path: Path) -> dict[str, list[str]]:
 
 
 def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer, max_length: int,
-                   is_main: bool = True, barrier=lambda: None) -> tuple[dict[str, TokenizedSplit], Path]:
-    """Tokenised train/validation/test splits. The main process builds the cache; others wait."""
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    path = None
+                   is_main: bool = True, share=lambda obj: obj) -> tuple[dict[str, TokenizedSplit], Path]:
+    """Tokenised train/validation/test splits.
+
+    The main process finds the data and builds the cache; `share` (a broadcast from rank 0
+    under torchrun) hands the others its cache path, or its error, so that every rank fails
+    with the same one-line message instead of waiting on a rank that has stopped.
+    """
+    outcome = None
     if is_main:
-        source = imdb.find_source(data_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        path = root / f"imdb-{cache_key(source, tokenizer, max_length)}"
-        if not (path / "dataset_dict.json").exists():
-            build_cache(source, tokenizer, max_length, path)
-        (root / "latest").write_text(path.name)
-    barrier()
-    if path is None:
-        path = root / (root / "latest").read_text().strip()
-    return load_cache(path), path
+        try:
+            source = imdb.find_source(data_dir)
+            root = Path(cache_dir) if cache_dir else default_cache_dir()
+            root.mkdir(parents=True, exist_ok=True)
+            path = root / f"imdb-{cache_key(source, tokenizer, max_length)}"
+            if not (path / "dataset_dict.json").exists():
+                build_cache(source, tokenizer, max_length, path)
+            outcome = ("ok", str(path))
+        except imdb.DataError as e:
+            outcome = ("error", str(e))
+    status, value = share(outcome)
+    if status == "error":
+        raise imdb.DataError(value)
+    return load_cache(Path(value)), Path(value)
 
 
 # --------------------------------------------------------------------------- loaders

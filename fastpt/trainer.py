@@ -99,7 +99,7 @@ class Trainer:
         tokenizer = load_tokenizer(cfg.model)
         self.initial_model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation)
         splits, self.cache_path = data.prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length,
-                                                      is_main=dist.is_main, barrier=distributed.barrier)
+                                                      is_main=dist.is_main, share=distributed.broadcast_object)
         self.splits = {
             "train": splits["train"].head(cfg.train_size),
             "validation": splits["validation"].head(cfg.val_size),
@@ -405,7 +405,7 @@ class Trainer:
             "data_wait_share": totals.get("data_wait_share"),
             "mfu": totals.get("mfu"),
             "peak_memory_bytes": metrics.peak_memory_bytes(self.device),
-            "memory_per_rank": self.strategy.memory_report(),
+            "memory_per_rank": distributed.all_gather_object(self.strategy.memory_report()),  # list, by rank
             "strategy": self.strategy.name, "world_size": self.dist.world_size, "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "num_workers": self.num_workers, "pin_memory": self.pin_memory,
@@ -415,6 +415,8 @@ class Trainer:
         self.tracker.print(f"test ({tested_on}): loss {test['loss']:.4f} acc {test['acc']:.4f} on {test['n']} reviews | "
                            f"train time {self.train_time_s / 60:.2f} min | {results['samples_per_s']:.1f} samples/s")
         self.tracker.scalars({"test_acc": test["acc"], "test_loss": test["loss"]}, self.global_step, "test/")
+        self.tracker.scalars({f"rank{r}/{k}": v for r, m in enumerate(results["memory_per_rank"]) for k, v in m.items()},
+                             self.global_step, "memory/")
         self.tracker.hparams(cfg.to_dict(), {k: results[k] for k in ("test_acc", "test_loss", "best_val_acc",
                                                                      "train_time_s", "samples_per_s")
                                              if results[k] is not None})
