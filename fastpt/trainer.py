@@ -137,7 +137,7 @@ class Trainer:
             torch.backends.cudnn.benchmark = not cfg.deterministic
         if cfg.deterministic:
             # The article measured this costs time; it buys bitwise-repeatable runs.
-            torch.use_deterministic_algorithms(True)
+            torch.use_deterministic_algorithms(True)  # process-wide: fit() turns it back off
 
     def _build_loaders(self, pad_id: int) -> None:
         cfg, dist = self.cfg, self.dist
@@ -176,6 +176,8 @@ class Trainer:
                 stopped_early = self._end_of_epoch(train_metrics, val)
             results = self._test_and_report(stopped_early)
         finally:
+            if self.cfg.deterministic:
+                torch.use_deterministic_algorithms(False)
             self.stopper.uninstall()
             self.strategy.close()
             self.tracker.close()
