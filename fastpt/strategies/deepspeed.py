@@ -1,0 +1,202 @@
+"""DeepSpeed ZeRO (`--deepspeed`): Lightning's `strategy="deepspeed_stage_2"` (and stages 1 and 3).
+
+What it does: data parallel training in which the DeepSpeed engine owns backward and the
+optimiser step, and shards the training state over the processes (ZeRO, "zero redundancy"):
+- stage 1 shards the optimiser state (Adam's two moments and the float32 master weights);
+- stage 2 also shards the gradients: they are reduce-scattered, each rank keeping its part;
+- stage 3 also shards the parameters, gathered layer by layer in forward and backward (FSDP's idea).
+
+Why it helps: with Adam, optimiser state is twice the size of the parameters (four times with
+16-bit weights and float32 masters), so sharding it frees most of the memory DDP spends on
+copies. Stage 2 communicates as much as DDP (reduce-scatter + all-gather = one all-reduce), so it
+is about as fast: the article measured 3.15 min on 4 A100s vs DDP's 3.52.
+
+What it costs: a dependency (optional here: fastpt runs without deepspeed installed, and this
+module is imported only for --deepspeed), a model wrapped in an engine that decides precision
+itself (with --amp it casts the whole model to float16 or bfloat16 and keeps float32 masters in
+the optimiser, instead of autocast), and checkpoints in DeepSpeed's own sharded format.
+
+The config is generated from fastpt's flags (`deepspeed_config`): --zero-stage, fp16/bf16 from
+--amp/--amp-dtype, micro batch, accumulation, clipping. `--deepspeed-config FILE` replaces it with
+the user's JSON; settings the data loader and the loop depend on are checked against the flags.
+
+Checkpoints: resume state goes through `engine.save_checkpoint` (every rank writes its shard;
+last.pt records the tag). `best.pt` holds the consolidated float32 weights under their plain
+names, so it loads into a model without DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from fastpt import distributed
+from fastpt.config import TrainConfig
+from fastpt.strategies.base import Strategy, _local_bytes
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON fastpt's flags stand for, or the user's --deepspeed-config checked against them."""
+    generated = {
+        "train_micro_batch_size_per_gpu": cfg.batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.batch_size * cfg.grad_accum * world_size,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "gradient_clipping": cfg.max_grad_norm or 0.0,
+        "fp16": {"enabled": cfg.amp and cfg.amp_dtype == "float16"},  # dynamic loss scaling by default
+        "bf16": {"enabled": cfg.amp and cfg.amp_dtype == "bfloat16"},
+        "steps_per_print": 10**9,  # fastpt logs; keep the engine quiet
+    }
+    if cfg.deepspeed_config is None:
+        return generated
+    try:
+        user = json.loads(Path(cfg.deepspeed_config).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--deepspeed-config {cfg.deepspeed_config}: {e}") from None
+    _check_user_config(user, generated)
+    return {**{k: generated[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                          "train_batch_size", "steps_per_print")}, **user}
+
+
+def _check_user_config(user: dict, generated: dict) -> None:
+    """Refuse a JSON that contradicts the flags: the data loader, the loop and the NaN check use them."""
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        if key in user and user[key] not in ("auto", generated[key]):
+            raise ValueError(f"--deepspeed-config sets {key}={user[key]}, but the flags give {generated[key]} "
+                             f"(--batch-size, --grad-accum, number of processes)")
+    for dtype in ("fp16", "bf16"):
+        wanted = generated[dtype]["enabled"]
+        if bool(user.get(dtype, {}).get("enabled", False)) != wanted:
+            raise ValueError(f"--deepspeed-config {'enables' if not wanted else 'does not enable'} {dtype}, "
+                             f"but --amp/--amp-dtype say the opposite")
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+    lightning = 'Trainer(strategy="deepspeed_stage_2", devices=N)'
+
+    def setup(self, model: torch.nn.Module) -> None:
+        """Build the engine: it moves the model to the device, casts it (--amp) and wraps the optimiser."""
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        self.ds_config = deepspeed_config(self.cfg, self.dist.world_size)
+        # Our Adam, unless the user's JSON names DeepSpeed's own optimiser.
+        client_optimizer = None if "optimizer" in self.ds_config else self.build_optimizer(model)
+        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
+                                                   config=self.ds_config)
+        self.module = self.model.module
+        self.optimizer = self.model.optimizer  # the ZeRO wrapper; param_groups reach the inner Adam
+        self.zero_stage = self.model.zero_optimization_stage()
+        self._previous_tag: str | None = None
+
+    # ------------------------------------------------------------------ the step
+    def autocast(self):
+        """Nothing: with fp16/bf16 enabled, the engine has already cast the model."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def no_sync(self, skip: bool):
+        """Tell the engine whether this micro-step ends an accumulation window.
+
+        At the boundary ZeRO reduces (stage 1) or reduce-scatters (stages 2-3) the gradients;
+        before it, they accumulate locally. The loop decides the boundary, also for a short last
+        window at the end of an epoch, so the engine's own micro-step counter is overridden.
+        """
+        self.model.set_gradient_accumulation_boundary(not skip)
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The loop has already divided the loss by --grad-accum; the engine must not do it again.
+        self.model.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> None:
+        """Unscale (fp16), clip to gradient_clipping, step, zero the gradients: all inside the engine."""
+        self.model.step()
+
+    # ------------------------------------------------------------------ state
+    def model_state_dict(self) -> dict:
+        """The consolidated float32 weights under plain names (a collective: every rank calls it).
+
+        The float32 master weights are the trained values (with --amp the module holds 16-bit
+        copies); under ZeRO they are sharded, and `safe_get_full_fp32_param` gathers each one.
+        """
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        state = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            full = safe_get_full_fp32_param(value) if isinstance(value, torch.nn.Parameter) else None
+            state[name] = (full if full is not None else value).detach().float().cpu().clone()
+        return state
+
+    def load_model_state_dict(self, state: dict) -> None:
+        """Full weights -> the module (gathered while loading under ZeRO-3) and the float32 masters."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        params = dict(self.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+            self.module.load_state_dict(state)
+        for name, param in params.items():
+            safe_set_full_fp32_param(param, state[name].to(self.device, torch.float32))
+
+    def training_state(self, ckpt_dir: Path) -> dict:
+        """Every rank writes its shard with engine.save_checkpoint; last.pt keeps the tag.
+
+        Tags older than the one the current last.pt names are removed first, so a crash while
+        writing the new one still leaves last.pt pointing at a complete checkpoint.
+        """
+        folder = ckpt_dir / "deepspeed"
+        tag = f"global_step{self.model.global_steps}"
+        distributed.barrier()
+        if self.dist.is_main and folder.is_dir():
+            for old in folder.iterdir():
+                if old.is_dir() and old.name not in (tag, self._previous_tag):
+                    shutil.rmtree(old)
+        self.model.save_checkpoint(str(folder), tag=tag)
+        self._previous_tag = tag
+        return {"deepspeed_tag": tag}
+
+    def load_training_state(self, state: dict, ckpt_dir: Path) -> None:
+        tag = state["deepspeed_tag"]
+        path, _ = self.model.load_checkpoint(str(ckpt_dir / "deepspeed"), tag=tag)
+        if path is None:
+            raise ValueError(f"DeepSpeed checkpoint {ckpt_dir / 'deepspeed' / tag} is missing")
+        self._previous_tag = tag
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds. Gradients are counted at the size ZeRO keeps between steps.
+
+        `master_param_bytes` is ZeRO's float32 copy of this rank's partition (stages 1-2 keep one even without
+        --amp); `optimizer_bytes` is Adam's moments alone, comparable with the other strategies.
+        """
+        params = list(self.module.parameters())
+        if self.zero_stage == 3:
+            param_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
+        else:
+            param_bytes = sum(_local_bytes(p) for p in params)
+        if self.zero_stage == 3:
+            masters = self.optimizer.fp32_partitioned_groups_flat
+            # Without --amp the float32 partition is the parameter partition itself: no copy.
+            shared = {t.data_ptr() for t in self.optimizer.fp16_partitioned_groups_flat}
+        else:
+            masters, shared = self.optimizer.single_partition_of_fp32_groups, set()
+        master_bytes = sum(_local_bytes(t) for t in masters if t.data_ptr() not in shared)
+        partition_numel = sum(t.numel() for t in masters)
+        grad_numel = partition_numel if self.zero_stage >= 2 else sum(p.numel() for p in params)
+        inner = self.optimizer.optimizer
+        return {
+            "param_bytes": param_bytes,
+            "grad_bytes": grad_numel * params[0].element_size(),
+            "optimizer_bytes": sum(_local_bytes(t) for s in inner.state.values() for t in s.values()
+                                   if torch.is_tensor(t)),
+            "master_param_bytes": master_bytes,
+        }
+
+    def close(self) -> None:
+        self.model.destroy()  # release the engine's hooks and buffers

@@ -1,0 +1,147 @@
+"""Fully sharded data parallel (`--fsdp`): Lightning's `strategy="fsdp"`, written with FSDP2.
+
+What it does: like DDP, every process trains on its own shard of each batch, but no process
+holds the whole model. `fully_shard` splits every parameter along its first dimension, one
+piece per rank, as a DTensor. Before a transformer layer runs, its pieces are all-gathered
+into full weights; after it runs they are freed again (`--fsdp-reshard-after-forward`, the
+default, frees them after forward and gathers them again for backward). Gradients are
+reduce-scattered, so each rank receives the summed gradient of its own piece only, and the
+optimiser (built after sharding) keeps Adam's moments for that piece only.
+
+Why it helps: parameters, gradients and optimiser state per GPU shrink to about 1/N, so models
+and batches that do not fit with DDP fit. Sharding each transformer layer separately, then the
+root (embeddings and classifier), lets the all-gather of layer i+1 overlap the compute of layer i.
+
+What it costs: an all-gather per layer in forward (and another in backward when resharding) on
+top of DDP's gradient reduction. The article measured 3.62 min on 4 A100s vs DDP's 3.52: for a
+66M-parameter model that fits on one GPU, sharding buys memory, not speed.
+
+Mixed precision (`--amp`): FSDP's own `MixedPrecisionPolicy` casts the gathered weights to the
+16-bit dtype once per all-gather (half the communication, no per-op weight casts) and reduces
+gradients in float32. Autocast stays on around forward so that softmax, layer norm and the loss
+keep float32 as they do without FSDP. float16 needs loss scaling with a scaler that all-reduces
+its "found inf" flag, because each rank only sees its own gradient shard: `ShardedGradScaler`.
+
+Checkpoints: `model_state_dict` gathers the full, unsharded state on rank 0 (a collective), so
+`best.pt` loads into a plain model. `training_state` (resume) gathers the full model and the
+full optimiser state the same way (torch.distributed.checkpoint.state_dict with
+`full_state_dict=True`) and keeps them in last.pt: one self-contained file, loadable with
+`weights_only=True` and by any world size. Distributed checkpointing (DCP, one file per rank,
+no gather) is what scales to models that do not fit in one process's memory; this project's
+models do, and one file keeps resume identical across strategies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+
+from fastpt.strategies.base import Strategy
+
+# Gather to full tensors on rank 0's CPU; other ranks get an empty dict (saving is rank 0's job).
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Every rank holds the full state read from the file; each keeps its own shard of it.
+SCATTER = StateDictOptions(full_state_dict=True)
+
+
+def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one: DistilBERT's or BERT's (MiniLM) encoder layers."""
+    if hasattr(model, "distilbert"):
+        return list(model.distilbert.transformer.layer)
+    if hasattr(model, "bert"):
+        return list(model.bert.encoder.layer)
+    raise ValueError(f"--fsdp does not know where the transformer layers of {type(model).__name__} are")
+
+
+def apply_fsdp(model: torch.nn.Module, reshard_after_forward: bool = True,
+               param_dtype: torch.dtype | None = None, compile_mode: str | None = None) -> torch.nn.Module:
+    """Shard each transformer layer, then the root; the model is changed in place and returned.
+
+    With `compile_mode`, each layer is compiled in place before sharding (torchtitan's order):
+    the compiled regions are the layers, and FSDP's all-gather / reduce-scatter hooks run
+    between them, so no collective breaks a compiled graph and parameter names do not change.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in transformer_layers(model):
+        if compile_mode is not None:
+            layer.compile(mode=None if compile_mode == "default" else compile_mode)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    # The root holds the embeddings and the classifier; FSDP keeps its weights gathered
+    # between forward and backward, since backward needs them straight away.
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    return model
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    lightning = 'Trainer(strategy="fsdp", devices=N)'
+
+    def __init__(self, cfg, dist):
+        super().__init__(cfg, dist)
+        if self.precision.scaler.is_enabled():
+            # Each rank checks only its gradient shard for inf/NaN; this scaler all-reduces
+            # the flag so every rank skips (or takes) the same step.
+            self.precision.scaler = ShardedGradScaler(self.device.type)
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        param_dtype = self.precision.dtype if self.cfg.amp else None
+        return apply_fsdp(module, self.cfg.fsdp_reshard_after_forward, param_dtype,
+                          self.cfg.compile_mode if self.cfg.compile else None)
+
+    @contextlib.contextmanager
+    def no_sync(self, skip: bool):
+        """On accumulation micro-steps keep full local gradients instead of reduce-scattering."""
+        self.module.set_requires_gradient_sync(not skip)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def step(self) -> None:
+        if self.cfg.max_grad_norm is not None:
+            self.precision.unscale_(self.optimizer)
+            clip_sharded_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm)
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ state
+    def model_state_dict(self) -> dict:
+        """The full model on rank 0 (an all-gather per parameter: every rank must call it)."""
+        return get_model_state_dict(self.module, options=GATHER)
+
+    def load_model_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.module, state, options=SCATTER)
+
+    def training_state(self, ckpt_dir: Path) -> dict:
+        return {
+            "model": self.model_state_dict(),
+            "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=GATHER),
+            "scaler": self.precision.state_dict(),
+        }
+
+    def load_training_state(self, state: dict, ckpt_dir: Path) -> None:
+        self.load_model_state_dict(state["model"])
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=SCATTER)
+        self.precision.load_state_dict(state["scaler"])
+
+
+def clip_sharded_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over sharded gradients: the norm of the whole model, not of this rank's shard.
+
+    The norm of DTensor gradients is itself a partial DTensor; `full_tensor()` all-reduces it
+    so every rank scales its shard by the same factor.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm
