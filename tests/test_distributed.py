@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN_MANY = ROOT / "tests" / "dist" / "run_many.py"
 STRATEGIES = {"ddp": ["--ddp"], "fsdp": ["--fsdp"], "zero1": ["--deepspeed", "--zero-stage", "1"],
               "zero2": ["--deepspeed", "--zero-stage", "2"], "zero3": ["--deepspeed", "--zero-stage", "3"]}
+RESUMED = ("fsdp", "zero3")  # resume through gathered full state (FSDP) and engine checkpoints (ZeRO)
 MAX_LENGTH, BATCH, TEST_SIZE = 32, 4, 31
 STEPS_PER_EPOCH = 112 // (2 * BATCH)  # 112 training reviews in the tiny data set
 
@@ -65,6 +66,10 @@ def runs(imdb_dir, cache_dir, tmp_path_factory):
     argv = ["--no-dropout"]
     for name, flags in STRATEGIES.items():
         argv += ["--", *common_args(imdb_dir, cache_dir, BATCH), "--out", str(outs[name]), *flags]
+    for name in RESUMED:  # one epoch, then continue from checkpoints/last.pt in a fresh run
+        outs[f"{name}_resumed"] = out = root / f"{name}_resumed"
+        argv += ["--", *common_args(imdb_dir, cache_dir, BATCH), "--out", str(out), *STRATEGIES[name], "--epochs", "1"]
+        argv += ["--", *common_args(imdb_dir, cache_dir, BATCH), "--out", str(out), *STRATEGIES[name], "--resume", "auto"]
     torchrun([str(RUN_MANY), *argv], timeout=420)
     reports = {name: [json.loads((outs[name] / f"rank{r}_result.json").read_text()) for r in range(2)]
                for name in STRATEGIES}
@@ -129,6 +134,15 @@ def test_sharded_strategy_matches_ddp_and_best_pt_loads_into_plain_model(runs, n
     assert plain["n"] == TEST_SIZE
     assert plain["acc"] == reported["test_acc"]  # exactly: same weights, every review counted once
     assert plain["loss"] == pytest.approx(reported["test_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_resumed_sharded_run_continues_the_uninterrupted_one(runs, name):
+    outs, _ = runs
+    resumed = outs[f"{name}_resumed"]
+    torch.testing.assert_close(torch.tensor(step_losses(resumed)), torch.tensor(step_losses(outs[name])),
+                               rtol=1e-4, atol=1e-5)
+    assert results(resumed)["test_acc"] == results(outs[name])["test_acc"]
 
 
 def test_evaluation_over_two_ranks_counts_odd_splits_once(runs, imdb_dir, cache_dir):
