@@ -211,10 +211,13 @@ class Trainer:
             batch = {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
             self.batch_in_epoch += 1
             last_micro = self.batch_in_epoch % cfg.grad_accum == 0 or self.batch_in_epoch == n_batches
+            # The epoch's last accumulation group may be short: average over the batches it has.
+            group_start = (self.batch_in_epoch - 1) // cfg.grad_accum * cfg.grad_accum
+            group_size = min(cfg.grad_accum, n_batches - group_start)
             with strategy.no_sync(skip=not last_micro):
                 logits = forward_logits(strategy, batch)
                 loss = F.cross_entropy(logits.float(), batch["labels"])
-                strategy.backward(loss / cfg.grad_accum)
+                strategy.backward(loss / group_size)
             detached = loss.detach().double()
             size = batch["labels"].shape[0]
             self.epoch_sums += torch.stack([detached * size, (logits.argmax(-1) == batch["labels"]).sum().double(),

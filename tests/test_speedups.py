@@ -196,19 +196,39 @@ def test_grad_accumulation_equals_one_larger_batch(tiny_args, tmp_path, monkeypa
         torch.testing.assert_close(accumulated[name], big[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_a_short_last_accumulation_group_is_averaged_over_its_own_batches(tiny_args, tmp_path, monkeypatch):
+    # 3 batches of 4 with --grad-accum 2: the epoch ends on a group of one batch, whose gradient
+    # must be that batch's own mean gradient (not half of it). A vanishing learning rate keeps
+    # the weights where they started, so the reference is the third step of an unaccumulated run.
+    monkeypatch.setattr(models, "tiny_config", no_dropout_tiny_config)
+    recorded = record_step_grads(monkeypatch)
+    common = ("--epochs", "1", "--train-size", "12", "--batch-size", "4", "--lr", "1e-12", "--no-tensorboard")
+    assert main(tiny_args(*common, out=tmp_path / "plain")) == 0
+    assert main(tiny_args(*common, "--grad-accum", "2", out=tmp_path / "accum")) == 0
+    assert len(recorded) == 3 + 2
+    third_batch, short_group = recorded[2], recorded[4]
+    for name in third_batch:
+        torch.testing.assert_close(short_group[name], third_batch[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
 def test_deterministic_mode_gives_bitwise_equal_runs(tiny_args, tmp_path, monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    enabled_while_training = []
+    step = Strategy.step
+    monkeypatch.setattr(Strategy, "step", lambda self: enabled_while_training.append(
+        torch.are_deterministic_algorithms_enabled()) or step(self))
     runs = []
     try:
         for name in ("a", "b"):
             out = tmp_path / name
             assert main(tiny_args("--deterministic", "--epochs", "1", "--max-steps", "4", "--no-tensorboard", out=out)) == 0
-            assert torch.are_deterministic_algorithms_enabled()
+            assert not torch.are_deterministic_algorithms_enabled()  # a process-wide switch, turned back off
             runs.append((json.loads((out / "results.json").read_text()),
                          load_model_weights(out / "checkpoints" / "best.pt")))
     finally:
         torch.use_deterministic_algorithms(False)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert enabled_while_training == [True] * 8
     (first, first_weights), (second, second_weights) = runs
     assert [h["train_loss"] for h in first["history"]] == [h["train_loss"] for h in second["history"]]
     assert first["test_loss"] == second["test_loss"]
