@@ -78,6 +78,11 @@ PRESETS = {
 }
 
 
+# Threads per process where the cores are not simply split between processes: on the tiny model a
+# second thread buys little and makes every step hostage to any other load on the machine.
+THREADS = {"tiny": 1, "smoke": 1}
+
+
 @dataclass
 class Job:
     config: Config
@@ -86,6 +91,7 @@ class Job:
     command: list
     out: Path
     procs: int
+    threads: Optional[int] = None  # OMP threads per process; None: the cores split between processes
     results: Optional[dict] = None
     wall_s: Optional[float] = None
     error: str = ""
@@ -107,6 +113,7 @@ def plan(preset: str, config_keys: list, frameworks: list, repeats: int, nproc: 
     """Jobs in interleaved order: for each repeat, for each configuration, every framework in turn."""
     workload = list(PRESETS[preset][1])
     jobs = []
+    threads = THREADS.get(preset)
     for repeat in range(repeats):
         for key in config_keys:
             config = CONFIGS[key]
@@ -118,14 +125,14 @@ def plan(preset: str, config_keys: list, frameworks: list, repeats: int, nproc: 
                 extra = (list(config.fastpt_flags) + ["--overwrite", "--no-progress"] if framework == "fastpt"
                          else ["--precision", config.precision])
                 command = [*launcher(framework, procs, on_cuda), *workload, *data_args, *extra, "--out", str(out)]
-                jobs.append(Job(config, framework, repeat, command, out, procs))
+                jobs.append(Job(config, framework, repeat, command, out, procs, threads))
     return jobs
 
 
 def execute(job: Job) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
-    if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // job.procs))  # same split of cores for every framework
+    if "OMP_NUM_THREADS" not in os.environ:  # the same for every framework
+        env["OMP_NUM_THREADS"] = str(job.threads or max(1, cpu_count() // job.procs))
     (job.out / "results.json").unlink(missing_ok=True)
     job.out.mkdir(parents=True, exist_ok=True)
     print(f"[{job.config.key} {job.framework} #{job.repeat + 1}] {shlex.join(job.command)}", flush=True)
@@ -238,7 +245,8 @@ def report(summary: dict, preset: str, argv: list, repeats: int, nproc: int, ver
              f"- workload: {PRESETS[preset][0]}: `{' '.join(PRESETS[preset][1])}`",
              f"- versions: {', '.join(f'{k} {v}' for k, v in versions.items())}",
              f"- {repeats} repeat(s), interleaved; each cell is the median (single runs in brackets); "
-             f"DDP rows: {nproc} processes; CPU threads per process: cores / processes, the same for every framework.",
+             f"DDP rows: {nproc} processes; CPU threads per process (same for every framework): "
+             f"{os.environ.get('OMP_NUM_THREADS') or THREADS.get(preset) or 'cores / processes'}.",
              "- train time: training + validation of all epochs (fastpt's `train_time_s`, measured the same way in "
              "every script); samples/s: training steps after 3 warm-up steps; ms per step = global batch / samples/s; "
              "overhead = ms per step minus the bare loop's (same precision, same batches, no validation).",
