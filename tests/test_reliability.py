@@ -107,7 +107,9 @@ def tensorboard_curves(run: Path) -> dict:
     keep = [t for t in acc.Tags()["scalars"]
             if t in ("train/loss", "test/test_acc", "test/test_loss")
             or (t.startswith("epoch/") and t.split("/")[1] not in TIMING_KEYS)]
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in keep}
+    # Sorted by step, as TensorBoard plots them: two event files written within the same second
+    # are read in pid order, which says nothing about the run. Duplicated steps still show.
+    return {t: sorted((e.step, e.value) for e in acc.Scalars(t)) for t in keep}
 
 
 def assert_same_run(reference: Path, resumed: Path) -> None:
