@@ -220,13 +220,15 @@ class Trainer:
                 strategy.backward(loss / group_size)
             detached = loss.detach().double()
             size = batch["labels"].shape[0]
-            self.epoch_sums += torch.stack([detached * size, (logits.argmax(-1) == batch["labels"]).sum().double(),
-                                            torch.tensor(float(size), dtype=torch.float64, device=self.device)])
+            # Python numbers enter as kernel arguments: torch.tensor(x, device="cuda") would copy
+            # from the host and synchronise on every step.
+            self.epoch_sums[:2] += torch.stack([detached * size, (logits.argmax(-1) == batch["labels"]).sum().double()])
+            self.epoch_sums[2] += size
             window_loss += detached
             window_count += 1
             if not self.strategy.precision.scaler.is_enabled():
                 first_bad_step = torch.where((first_bad_step < 0) & ~torch.isfinite(detached),
-                                             torch.tensor(self.global_step + 1, device=self.device), first_bad_step)
+                                             self.global_step + 1, first_bad_step)
             self.meter.record(size, real_tokens, batch["input_ids"].numel(), batch["input_ids"].shape[1], data_s)
             bar.update(1)
             if not last_micro:
