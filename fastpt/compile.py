@@ -18,9 +18,11 @@ a static compile, then a recompile once the second length shows up. `reduce-over
 a CUDA graph per distinct shape, so it pays off with fixed padding, less with dynamic padding.
 
 Order against the other wrappers (fixed in the strategies, see strategies/base.py):
-model.to(device) -> [FSDP shards the layers] -> compile -> [DDP wraps the compiled module].
+model.to(device) -> compile -> [DDP wraps the compiled module]; under FSDP, each transformer
+layer is compiled in place and then sharded (strategies/fsdp.py, torchtitan's order).
 Compiling inside DDP lets DDP's optimizer split the graph at gradient-bucket boundaries so
-communication overlaps the backward; FSDP2 must shard first so compile sees DTensor params.
+communication overlaps the backward; under FSDP the compiled regions are the layers, so the
+all-gather / reduce-scatter hooks between them never break a compiled graph.
 The compiled module keeps the original as `_orig_mod`; checkpoints use `unwrap_model` so they
 never carry that prefix and load into an uncompiled model.
 

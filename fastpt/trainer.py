@@ -279,7 +279,7 @@ class Trainer:
         rates = self.meter.read()
         rates = {k: v * self.dist.world_size if k in ("samples_per_s", "tokens_per_s", "padded_tokens_per_s") else v
                  for k, v in rates.items()}  # rank 0's rate x ranks: all ranks run in lockstep
-        self.tracker.scalars({"loss": loss, "lr": self.strategy.optimizer.param_groups[0]["lr"] if self.strategy.optimizer else self.cfg.lr,
+        self.tracker.scalars({"loss": loss, "lr": self.strategy.optimizer.param_groups[0]["lr"],
                               **rates}, self.global_step, prefix="train/")
         bar.set_postfix(loss=f"{loss:.4f}", **({"samples/s": f"{rates['samples_per_s']:.1f}"} if rates else {}))
         if not self.tracker.progress:  # no bar to show it: one line per log step instead

@@ -43,7 +43,7 @@ class Strategy:
 
     # ------------------------------------------------------------------ setup
     def setup(self, model: torch.nn.Module) -> None:
-        """The one order: to device -> shard (FSDP) -> compile -> wrap (DDP) -> optimizer.
+        """The one order: to device -> compile -> wrap (DDP; FSDP compiles then shards each layer) -> optimizer.
 
         The optimizer is built last, from the parameters as they finally are (FSDP replaces
         them with sharded DTensors).
