@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reproduce import ROOT, Run, Rung, default_data_dir, execute, machine  # noqa: E402
+sys.path.insert(0, str(ROOT))  # fastpt, for the padding table
 
 PRESETS = {
     "cpu": ("pretrained MiniLM-L6, the first 2000/500/1000 reviews of the article split, 256 tokens, batch 12, "
@@ -70,7 +71,7 @@ def _mean_sd(values: list, digits: int = 2) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def report(grid: list, multipliers: list, preset: str, argv: list) -> str:
+def report(grid: list, multipliers: list, preset: str, argv: list, padding: list = ()) -> str:
     configs = configurations(multipliers)
     seeds = sorted({seed for seed, _, _ in grid}, key=[s for s, _, _ in grid].index)
     acc = {(seed, key): 100 * run.results["test_acc"] for seed, key, run in grid if run.results}
@@ -123,7 +124,40 @@ def report(grid: list, multipliers: list, preset: str, argv: list) -> str:
         "",
         "\n".join(curves),
         "",
+        *([f"Padding efficiency (real / computed tokens) on the whole training split ({padding[0][2]} reviews), "
+           "512 tokens, batch of the preset:", "", "| batching | real / computed tokens |", "|---|---:|",
+           *(f"| {label} | {value:.3f} |" for label, value, _ in padding), ""] if padding else []),
     ])
+
+
+def _flag(preset: str, name: str, default: str) -> str:
+    """The value the preset passes for a train.py flag, or train.py's default."""
+    flags = PRESETS[preset][1]
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
+def full_split_padding(preset: str, data_dir, cache_dir, multipliers: list) -> list:
+    """(label, real / computed tokens) on the whole training split at 512 tokens, per batching.
+
+    The runs above train on a subset at a shorter length; this is what each multiplier pads on
+    the articles' full workload, so that the accuracy and the padding can be weighed together.
+    """
+    from fastpt import data
+    from fastpt.bucketing import padding_efficiency
+    from fastpt.models import load_tokenizer
+
+    batch_size = int(_flag(preset, "--batch-size", "12"))
+    splits, _ = data.prepare_splits(data_dir, cache_dir, load_tokenizer(_flag(preset, "--model", "")), 512)
+    train = splits["train"]
+    plain = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123)
+    plain.set_epoch(0)
+    rows = [("random batches, padded to 512", padding_efficiency(train.lengths, list(plain), pad_to=512)),
+            ("random batches, padded to their longest", padding_efficiency(train.lengths, list(plain)))]
+    for m in multipliers:
+        bucketed = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123, bucket=True, bucket_multiplier=m)
+        bucketed.set_epoch(0)
+        rows.append((f"`--bucket --bucket-multiplier {m}`", padding_efficiency(train.lengths, list(bucketed))))
+    return [(label, value, len(train)) for label, value in rows]
 
 
 def _epochs(res: dict) -> int:
@@ -161,7 +195,8 @@ def main(argv=None) -> int:
     for _, _, run in grid:
         execute(run, args.force)
         report_path.write_text(report(grid, multipliers, args.preset, argv))  # a partial grid is still readable
-    md = report(grid, multipliers, args.preset, argv)
+    padding = full_split_padding(args.preset, data_dir, args.cache_dir, multipliers)
+    md = report(grid, multipliers, args.preset, argv, padding)
     report_path.write_text(md)
     print(md)
     print(f"written: {report_path}")
