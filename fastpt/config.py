@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pad-to", default=d.pad_to, choices=("max_length", "longest"))
     g.add_argument("--bucket", action="store_true", help="length-grouped batches with dynamic padding")
     g.add_argument("--bucket-multiplier", type=int, default=None,
-                   help=f"mega-batch size in batches for --bucket (default {d.bucket_multiplier})")
+                   help=f"mega-batch size in batches for --bucket (default {d.bucket_multiplier}); smaller mixes "
+                        "lengths more within a batch and pads more")
 
     g = p.add_argument_group("single-device speed-ups")
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
