@@ -143,20 +143,35 @@ def run_config(args, name: str, timeout: float) -> dict:
 
 def padding_report(args) -> dict:
     """Real tokens / computed tokens on the real training split, batch --batch-size, 512 tokens."""
+    from fastpt.config import TrainConfig
+
+    default = TrainConfig.bucket_multiplier
+    report = split_padding(args.data_dir, args.cache_dir, args.model, args.batch_size, multipliers=(default,))
+    report["bucket"] = report.pop("bucket_by_multiplier")[default]
+    return report
+
+
+def split_padding(data_dir, cache_dir, model: str, batch_size: int, multipliers) -> dict:
+    """Padding efficiency of the whole training split at 512 tokens: padded to 512, random batches
+    padded to their longest, and `--bucket` with each mega-batch multiplier (one epoch, seed 123)."""
     from fastpt import data
     from fastpt.bucketing import padding_efficiency
     from fastpt.models import load_tokenizer
 
-    splits, _ = data.prepare_splits(args.data_dir, args.cache_dir, load_tokenizer(args.model), 512)
+    splits, _ = data.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
     train = splits["train"]
-    plain = data.TrainBatchSampler(train, args.batch_size, 0, 1, seed=123)
-    bucketed = data.TrainBatchSampler(train, args.batch_size, 0, 1, seed=123, bucket=True)
-    plain.set_epoch(0)
-    bucketed.set_epoch(0)
-    return {"examples": len(train), "mean_tokens": float(train.lengths.mean()), "batch_size": args.batch_size,
-            "pad_to_512": padding_efficiency(train.lengths, list(plain), pad_to=512),
-            "random_batches_to_longest": padding_efficiency(train.lengths, list(plain)),
-            "bucket": padding_efficiency(train.lengths, list(bucketed))}
+
+    def batches(**bucketing) -> list:
+        sampler = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123, **bucketing)
+        sampler.set_epoch(0)
+        return list(sampler)
+
+    plain = batches()
+    return {"examples": len(train), "mean_tokens": float(train.lengths.mean()), "batch_size": batch_size,
+            "pad_to_512": padding_efficiency(train.lengths, plain, pad_to=512),
+            "random_batches_to_longest": padding_efficiency(train.lengths, plain),
+            "bucket_by_multiplier": {m: padding_efficiency(train.lengths, batches(bucket=True, bucket_multiplier=m))
+                                     for m in multipliers}}
 
 
 def _fmt(value, spec: str, missing: str = "n/a") -> str:

@@ -29,7 +29,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reproduce import ROOT, Run, Rung, default_data_dir, execute, machine  # noqa: E402
-sys.path.insert(0, str(ROOT))  # fastpt, for the padding table
 
 PRESETS = {
     "cpu": ("pretrained MiniLM-L6, the first 2000/500/1000 reviews of the article split, 256 tokens, batch 12, "
@@ -137,27 +136,19 @@ def _flag(preset: str, name: str, default: str) -> str:
 
 
 def full_split_padding(preset: str, data_dir, cache_dir, multipliers: list) -> list:
-    """(label, real / computed tokens) on the whole training split at 512 tokens, per batching.
+    """(label, real / computed tokens, reviews) on the whole training split at 512 tokens, per batching.
 
     The runs above train on a subset at a shorter length; this is what each multiplier pads on
     the articles' full workload, so that the accuracy and the padding can be weighed together.
     """
-    from fastpt import data
-    from fastpt.bucketing import padding_efficiency
-    from fastpt.models import load_tokenizer
+    from bench_single import split_padding
 
-    batch_size = int(_flag(preset, "--batch-size", "12"))
-    splits, _ = data.prepare_splits(data_dir, cache_dir, load_tokenizer(_flag(preset, "--model", "")), 512)
-    train = splits["train"]
-    plain = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123)
-    plain.set_epoch(0)
-    rows = [("random batches, padded to 512", padding_efficiency(train.lengths, list(plain), pad_to=512)),
-            ("random batches, padded to their longest", padding_efficiency(train.lengths, list(plain)))]
-    for m in multipliers:
-        bucketed = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123, bucket=True, bucket_multiplier=m)
-        bucketed.set_epoch(0)
-        rows.append((f"`--bucket --bucket-multiplier {m}`", padding_efficiency(train.lengths, list(bucketed))))
-    return [(label, value, len(train)) for label, value in rows]
+    r = split_padding(data_dir, cache_dir, _flag(preset, "--model", ""), int(_flag(preset, "--batch-size", "12")),
+                      multipliers)
+    rows = [("random batches, padded to 512", r["pad_to_512"]),
+            ("random batches, padded to their longest", r["random_batches_to_longest"])]
+    rows += [(f"`--bucket --bucket-multiplier {m}`", value) for m, value in r["bucket_by_multiplier"].items()]
+    return [(label, value, r["examples"]) for label, value in rows]
 
 
 def _epochs(res: dict) -> int:
