@@ -73,8 +73,8 @@ def _mean_sd(values: list, digits: int = 2) -> str:
 def report(grid: list, multipliers: list, preset: str, argv: list, padding: list = ()) -> str:
     configs = configurations(multipliers)
     seeds = sorted({seed for seed, _, _ in grid}, key=[s for s, _, _ in grid].index)
-    acc = {(seed, key): 100 * run.results["test_acc"] for seed, key, run in grid if run.results}
     res = {(seed, key): run.results for seed, key, run in grid if run.results}
+    acc = {pair: 100 * results["test_acc"] for pair, results in res.items()}
 
     head = "| seed | " + " | ".join(f"{key} test acc (%)" for key, _, _ in configs) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
