@@ -14,6 +14,10 @@ GradScaler multiplies the loss by a large factor before backward, divides the gr
 and lowers the factor. bfloat16 has float32's range and needs no scaler, but fewer mantissa
 bits. Evaluation runs under the same autocast, so it measures the model as trained.
 
+Where the lines are: `autocast()` opens the context in `step.forward_loss` and
+`evaluation.evaluate`; the GradScaler's four calls (`scale` in `Strategy.backward`; `unscale_`,
+`step`, `update` in `Strategy.optimizer_step`) sit together in `strategies/base.py`.
+
 Replaces Lightning's `precision="16-mixed"` (`--amp`) and `precision="bf16-mixed"`
 (`--amp --amp-dtype bfloat16`).
 """
@@ -28,38 +32,27 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class MixedPrecision:
-    """The autocast context and the (optional) gradient scaler of one run."""
+    """The autocast context and the gradient scaler of one run."""
 
     def __init__(self, enabled: bool, dtype: str, device: torch.device):
         self.enabled = enabled
         self.dtype = DTYPES[dtype]
         self.device_type = device.type
-        # Only float16 needs loss scaling; with it off, the scaler's methods are pass-throughs.
-        self.scaler = torch.amp.GradScaler(device.type, enabled=enabled and dtype == "float16")
+        # Only float16 needs loss scaling. A disabled GradScaler's methods are pass-throughs
+        # (scale returns the loss, step calls optimizer.step), so the step needs no `if`.
+        self.grad_scaler = torch.amp.GradScaler(device.type, enabled=enabled and dtype == "float16")
 
     def autocast(self):
         if not self.enabled:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss)
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler.is_enabled():
-            self.scaler.unscale_(optimizer)
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """optimizer.step(), skipped by the scaler if the gradients hold inf/NaN."""
-        self.scaler.step(optimizer)
-        self.scaler.update()
-
     def state_dict(self) -> dict:
-        return self.scaler.state_dict() if self.scaler.is_enabled() else {}
+        return self.grad_scaler.state_dict() if self.grad_scaler.is_enabled() else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state)
+        if state and self.grad_scaler.is_enabled():
+            self.grad_scaler.load_state_dict(state)
 
 
 def check_dtype_supported(dtype: str, device: torch.device) -> None:

@@ -17,7 +17,8 @@ though, learns more slowly: validation accuracy was lower for every seed, once b
 So a one-epoch run on a small dataset can come out worse. A smaller mega-batch
 (`--bucket-multiplier 10`) removed the slow start there. It costs padding: on the full
 training split at 512 tokens, 0.927 of computed tokens are real instead of 0.984. Shapes vary
-per batch, which `torch.compile` handles with dynamic shapes after a recompile or two.
+per batch; `torch.compile` marks the token dimension dynamic from the first batch, so one
+graph serves every length (compile.py). `--pack` removes padding without reordering the data.
 
 Lightning has no flag for this; it is what Hugging Face's `group_by_length=True` does.
 """

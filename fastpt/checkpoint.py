@@ -4,8 +4,10 @@
   renames it over the target: a crash mid-write leaves the previous file intact.
 - `load` uses `torch.load(weights_only=True)`: only tensors and plain containers are
   unpickled, so a file crafted to run code on load is refused instead of executed.
-- `unwrap_model` peels torch.compile (`_orig_mod`), DDP and DeepSpeed (`module`) wrappers in
-  one place, so a saved state dict loads into a plain model.
+- Model weights come from `strategy.module`, the plain model that every strategy keeps beside
+  its wrapper (DDP's `module.`, DeepSpeed's engine, FSDP's gathered shards); torch.compile
+  compiles the step function or the layers in place, so no `_orig_mod.` prefix appears either.
+  A saved state dict loads into a plain Hugging Face model.
 """
 
 from __future__ import annotations
@@ -22,16 +24,6 @@ import torch
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be read or does not fit this run."""
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    while True:
-        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.Module) and hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module  # DistributedDataParallel, DeepSpeedEngine
-        else:
-            return model
 
 
 def save_atomic(obj, path: Path) -> None:

@@ -11,20 +11,21 @@ What it costs: the first step compiles (tens of seconds on a GPU, minutes on a s
 `first_step_s` in results.json reports it apart from the measured steps, which leave it out),
 evaluation compiles once more (no_grad and eval mode change the graph), and errors show up as
 long traces. Each new input shape would recompile a static graph: with fixed padding
-(`--pad-to max_length`) every batch has one shape, so the graph stays static; with dynamic
-padding (`--bucket`, `--pad-to longest`) every batch has its own length, so the sizes are
-compiled as symbols from the start (`dynamic=True`) - one compile for every length, instead of
-a static compile, then a recompile once the second length shows up. `reduce-overhead` records
-a CUDA graph per distinct shape, so it pays off with fixed padding, less with dynamic padding.
+(`--pad-to max_length`) every batch has one shape, so the graph stays static; where lengths
+vary (`--bucket`, `--pad-to longest`, `--pack`) the token dimension, and only it, is marked
+dynamic on every batch (`mark_token_dim_dynamic`), so one graph serves every length from the
+start. `reduce-overhead` records a CUDA graph per distinct shape: it pays off with fixed
+padding, or with `--pack --pack-multiple N`, which rounds every batch to a few sizes.
 
-Order against the other wrappers (fixed in the strategies, see strategies/base.py):
-model.to(device) -> compile -> [DDP wraps the compiled module]; under FSDP, each transformer
-layer is compiled in place and then sharded (strategies/fsdp.py, torchtitan's order).
-Compiling inside DDP lets DDP's optimizer split the graph at gradient-bucket boundaries so
-communication overlaps the backward; under FSDP the compiled regions are the layers, so the
-all-gather / reduce-scatter hooks between them never break a compiled graph.
-The compiled module keeps the original as `_orig_mod`; checkpoints use `unwrap_model` so they
-never carry that prefix and load into an uncompiled model.
+Where it applies (fixed in the strategies, see strategies/base.py): on one device the whole
+step function (forward, loss and metric sums: `step.forward_loss`) is compiled with
+`fullgraph=True`, so any graph break is an error rather than a silent slowdown. Under DDP the
+model is compiled and then wrapped, which lets DDP's optimizer split the graph at
+gradient-bucket boundaries so communication overlaps the backward; under FSDP each transformer
+layer is compiled in place and then sharded (strategies/fsdp.py, torchtitan's order), so the
+all-gather / reduce-scatter hooks between layers never break a compiled graph.
+The compiled function or module leaves the model's parameter names alone, so checkpoints
+(`strategy.module`, the plain model) never carry an `_orig_mod.` prefix.
 
 Replaces Lightning's `model = torch.compile(model)` before `Trainer.fit`.
 """
@@ -36,13 +37,29 @@ import sys
 import torch
 
 
-def apply_compile(model: torch.nn.Module, mode: str = "default", dynamic_shapes: bool = False) -> torch.nn.Module:
-    """The compiled model. `dynamic_shapes`: batches vary in length (dynamic padding).
+TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")  # the tensors whose dim 1 is tokens
 
-    Without it, `dynamic=None` lets TorchDynamo mark a size dynamic only once it changes (the
-    last, smaller evaluation batch), keeping the fixed-shape training graph fully static.
+
+def compile_options(mode: str = "default", dynamic: bool | None = None, fullgraph: bool = False) -> dict:
+    """torch.compile's keyword arguments for --compile-mode (one place for the mapping)."""
+    return {"mode": None if mode == "default" else mode, "dynamic": dynamic, "fullgraph": fullgraph}
+
+
+def apply_compile(target, mode: str = "default", fullgraph: bool = False):
+    """`target` (a function or a module) compiled by TorchDynamo + Inductor.
+
+    `dynamic=None`: sizes start static; the dimensions `mark_token_dim_dynamic` marks are
+    symbolic from the first call.
     """
-    return torch.compile(model, mode=None if mode == "default" else mode, dynamic=True if dynamic_shapes else None)
+    return torch.compile(target, **compile_options(mode, fullgraph=fullgraph))
+
+
+def mark_token_dim_dynamic(batch: dict) -> dict:
+    """Compile the token dimension as a symbol: one graph for every batch length, no recompiles."""
+    for key in TOKEN_KEYS:
+        if key in batch:
+            torch._dynamo.mark_dynamic(batch[key], 1)
+    return batch
 
 
 def check_compile_supported() -> None:

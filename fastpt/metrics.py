@@ -5,16 +5,20 @@ timer read without it measures kernel launches, not work); leave warm-up and com
 out of throughput; count real tokens and padded tokens separately, since padding is compute
 that does no useful work.
 
-MFU (model FLOPs utilisation) = achieved model FLOP/s / the device's peak. FLOPs per token
-for training an encoder (forward + backward = 3x forward, each multiply-add = 2 FLOPs):
+MFU (model FLOPs utilisation) = useful model FLOP/s / the device's dense peak. Useful means
+real tokens only: padding and packing's round-up tokens are computed but do no work, so a
+padded run's MFU is lower than its hardware utilisation by exactly its padding. FLOPs for
+training one review of n tokens with an encoder (forward + backward = 3x forward, each
+multiply-add = 2 FLOPs):
 
-    6 * N  +  12 * L * d * T
+    n * (6 * N  +  12 * L * d * n)
 
 N: parameters outside the embedding tables (matmul weights; embeddings are lookups),
-L: layers, d: hidden width, T: padded sequence length. The second term is attention's
-QK^T and AV products, 2 * 2 * T * d per token per layer forward (PaLM, appendix B, without
-the causal halving since an encoder attends both ways). Counted over padded tokens, because
-the device computes them; the real-token share is reported beside it.
+L: layers, d: hidden width. The second term is attention's QK^T and AV products,
+2 * 2 * n * d per token per layer forward (PaLM, appendix B, without the causal halving since
+an encoder attends both ways), over the review's own length. The peaks are the vendors' dense
+16-bit / TF32 / FP32 figures (H100 and H200 SXM: 989 TFLOP/s bf16 dense); a large bf16 matmul
+measured about 790 TFLOP/s on an H200, so about 80% MFU is the practical ceiling.
 """
 
 from __future__ import annotations
@@ -46,7 +50,13 @@ def device_peak_flops(device: torch.device, amp: bool, tf32: bool) -> Optional[f
 
 
 def flops_per_token(n_params_no_embed: int, n_layers: int, hidden: int, seq_len: float) -> float:
+    """Training FLOPs per token of a sequence of seq_len tokens."""
     return 6 * n_params_no_embed + 12 * n_layers * hidden * seq_len
+
+
+def review_flops(lengths, n_params_no_embed: int, n_layers: int, hidden: int) -> float:
+    """Training FLOPs of a batch's real tokens: each review over its own length."""
+    return sum(n * flops_per_token(n_params_no_embed, n_layers, hidden, n) for n in lengths)
 
 
 def model_shape(model: torch.nn.Module) -> tuple[int, int]:
@@ -73,8 +83,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+SUMMED_OVER_RANKS = ("samples_per_s", "tokens_per_s", "padded_tokens_per_s")
+
+
 class Throughput:
-    """Counts samples, tokens and time after warm-up; reports rates over any window."""
+    """Counts samples, tokens and time after warm-up; reports rates over any window.
+
+    `flops_fn(lengths)` gives the useful FLOPs of a batch's reviews (see `review_flops`).
+    """
 
     def __init__(self, device: torch.device, warmup_steps: int, flops_fn, peak_flops: Optional[float]):
         self.device, self.warmup_steps = device, warmup_steps
@@ -83,7 +99,6 @@ class Throughput:
         self.total = self._zero()
         self.window = self._zero()
         self.window_start = None
-        self.measure_start = None
 
     @staticmethod
     def _zero() -> dict:
@@ -93,15 +108,15 @@ class Throughput:
         synchronize(self.device)
         self.window_start = time.perf_counter()
 
-    def record(self, samples: int, real_tokens: int, padded_tokens: int, seq_len: int, data_s: float) -> None:
-        """One micro-batch. real_tokens should be a Python int counted on the host (no sync)."""
+    def record(self, lengths: list[int], computed_tokens: int, data_s: float) -> None:
+        """One micro-batch: its reviews' lengths and the tokens the device computes (Python ints: no sync)."""
         if self.steps < self.warmup_steps:
             return
         w = self.window
-        w["samples"] += samples
-        w["real_tokens"] += real_tokens
-        w["padded_tokens"] += padded_tokens
-        w["flops"] += self.flops_fn(seq_len) * padded_tokens
+        w["samples"] += len(lengths)
+        w["real_tokens"] += sum(lengths)
+        w["padded_tokens"] += computed_tokens
+        w["flops"] += self.flops_fn(lengths)
         w["data_s"] += data_s
 
     def end_step(self) -> None:
@@ -140,3 +155,49 @@ class Throughput:
         if self.peak:
             out["mfu"] = w["flops"] / t / self.peak
         return out
+
+
+def rate_results(meter: Throughput, world_size: int, resumed_at_step: Optional[int] = None) -> dict:
+    """results.json's speed block: the measured totals, summed over ranks (they run in lockstep).
+
+    Rates are None, with a note, when no step was measured (a run shorter than the warm-up).
+    """
+    totals = meter.rates()
+    out = {k: (totals[k] * world_size if k in SUMMED_OVER_RANKS else totals[k]) if k in totals else None
+           for k in (*SUMMED_OVER_RANKS, "padding_efficiency", "data_wait_share", "mfu")}
+    if not totals:
+        out["samples_per_s_note"] = (f"not measured: the first {meter.warmup_steps} optimiser steps are warm-up "
+                                     f"and this run took {meter.steps}")
+    elif resumed_at_step is not None:
+        out["samples_per_s_note"] = f"measured after the resume at step {resumed_at_step} only"
+    return out
+
+
+def compiled_graph_count() -> int:
+    """Graphs TorchDynamo has compiled in this process so far (0 where it was never imported)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0
+    return sys.modules["torch._dynamo.utils"].counters["stats"]["unique_graphs"]
+
+
+class CompileClock:
+    """Host time of the steps during which a new graph was compiled, read without synchronising.
+
+    Compilation runs on the host, synchronously, so the host time of a call that compiled is
+    compile time plus the launch of that step's kernels. Backward graphs compile at their first
+    backward, inside the same step, so timing whole steps catches both.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.start_count = self.count = compiled_graph_count()
+
+    def tick(self, since: float) -> None:
+        now = compiled_graph_count()
+        if now != self.count:
+            self.seconds += time.perf_counter() - since
+            self.count = now
+
+    @property
+    def graphs(self) -> int:
+        return self.count - self.start_count

@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         return _bad_input(e)
     try:
-        from fastpt.trainer import NonFiniteLoss, Trainer
+        from fastpt.bookkeeping import NonFiniteLoss
+        from fastpt.trainer import Trainer
 
         # Everything that can fail on bad input, before the run folder is touched.
         try:
@@ -155,8 +156,7 @@ def main(argv=None) -> int:
                 from fastpt.amp import check_dtype_supported
                 check_dtype_supported(cfg.amp_dtype, dist.device)
             plan = plan_out_dir(cfg, dist)
-            trainer = Trainer(cfg, dist, plan.out)
-            trainer.resume_state = plan.resume_state
+            trainer = Trainer(cfg, dist, plan.out, resume_state=plan.resume_state)
             trainer.load_inputs()
         except (ValueError, DataError, ModelError, CheckpointError) as e:
             return _bad_input(e, dist.is_main)

@@ -48,9 +48,10 @@ class GracefulStop:
 
     def requested(self) -> bool:
         """True on every rank if any rank received a signal (a collective under torchrun)."""
-        flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)
-        if self._group is not None:
-            dist.all_reduce(flag, group=self._group)
+        if self._group is None:
+            return self.signum is not None
+        flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)  # host memory: no GPU sync
+        dist.all_reduce(flag, group=self._group)
         return bool(flag.item())
 
     def uninstall(self) -> None:

@@ -23,6 +23,8 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step drops events a crashed run wrote after its last checkpoint, so a
             # resumed run continues the same curves without duplicate steps.
+            if purge_step is not None:
+                _after_existing_event_files(out_dir / "tb")
             self.writer = SummaryWriter(str(out_dir / "tb"), purge_step=purge_step)
 
     def print(self, message: str) -> None:
@@ -67,6 +69,19 @@ class NullTracker(Tracker):
 
     def write_json(self, name: str, data: dict) -> None:
         pass
+
+
+def _after_existing_event_files(folder: Path) -> None:
+    """Wait (under a second) until a new event file would sort after every existing one.
+
+    TensorBoard reads a folder's event files in name order, and a name starts with the second
+    it was created in, then host and pid. A purge only hides events read before it, so the
+    resumed run's file must come after the crashed run's, even when both fall in one second.
+    """
+    import time
+    stamps = [int(p.name.split(".")[3]) for p in folder.glob("events.out.tfevents.*") if p.name.split(".")[3].isdigit()]
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

@@ -107,7 +107,7 @@ def plain_evaluation(best_pt: Path, imdb_dir, cache_dir) -> dict:
     test = splits["test"].head(TEST_SIZE)
     loader = data.make_loader(test, data.EvalBatchSampler(test, 5, 0, 1),
                               data.Collator(tokenizer.pad_token_id or 0, "max_length", MAX_LENGTH), 0, False, 0)
-    return evaluate(strategy, loader, torch.device("cpu"))
+    return evaluate(strategy, loader)
 
 
 def test_ddp_matches_one_process_with_twice_the_batch(runs):

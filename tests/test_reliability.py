@@ -27,7 +27,10 @@ from fastpt.signals import EXIT_STOPPED
 ROOT = Path(__file__).resolve().parent.parent
 INJECT = ROOT / "tests" / "faults" / "inject.py"
 TIMING_KEYS = {"train_time_s", "first_step_s", "samples_per_s", "tokens_per_s", "padded_tokens_per_s",
-               "data_wait_share", "mfu", "peak_memory_bytes", "padding_efficiency"}
+               "data_wait_share", "mfu", "peak_memory_bytes", "padding_efficiency", "val_time_s",
+               "train_time_no_compile_s", "compile_time_s",
+               # what this process measured and saw: a resumed process saw only the steps after the resume
+               "samples_per_s_note", "batch_shapes"}
 STEPS_PER_EPOCH = 6  # 48 training examples, batch 8
 EPOCHS = 2
 
@@ -163,16 +166,16 @@ def test_sigkill_at_random_step_resumes_bitwise(reference, imdb_dir, cache_dir, 
 def test_resume_auto_before_first_checkpoint_starts_again(reference, imdb_dir, cache_dir, tmp_path, monkeypatch):
     from fastpt.strategies.base import Strategy
 
-    out, original = tmp_path / "run", Strategy.step
+    out, original = tmp_path / "run", Strategy.optimizer_step
 
     def crash(self):
         raise RuntimeError("simulated crash before the first checkpoint")
 
-    monkeypatch.setattr(Strategy, "step", crash)
+    monkeypatch.setattr(Strategy, "optimizer_step", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         main(flags(imdb_dir, cache_dir, out))
     assert (out / "config.json").exists() and not (out / "checkpoints" / "last.pt").exists()
-    monkeypatch.setattr(Strategy, "step", original)
+    monkeypatch.setattr(Strategy, "optimizer_step", original)
     assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0  # this run's folder: start again
     assert_same_run(reference, out)
 
@@ -213,7 +216,7 @@ def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch)
     def exit_now(status):
         raise Exited(status)
 
-    out, original, calls = tmp_path / "run", Strategy.step, []
+    out, original, calls = tmp_path / "run", Strategy.optimizer_step, []
 
     def step(self):
         calls.append(1)
@@ -223,7 +226,7 @@ def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch)
         return original(self)
 
     monkeypatch.setattr(fastpt.signals.os, "_exit", exit_now)
-    monkeypatch.setattr(Strategy, "step", step)
+    monkeypatch.setattr(Strategy, "optimizer_step", step)
     handler_before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Exited) as exited:
         main(flags(imdb_dir, cache_dir, out))
@@ -236,7 +239,7 @@ def test_sigint_in_process_stops_after_the_step(reference, imdb_dir, cache_dir, 
     from fastpt.strategies.base import Strategy
 
     out = tmp_path / "run"
-    original, calls = Strategy.step, []
+    original, calls = Strategy.optimizer_step, []
 
     def step(self):
         calls.append(1)
@@ -244,14 +247,14 @@ def test_sigint_in_process_stops_after_the_step(reference, imdb_dir, cache_dir, 
             os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would
         return original(self)
 
-    monkeypatch.setattr(Strategy, "step", step)
+    monkeypatch.setattr(Strategy, "optimizer_step", step)
     assert main(flags(imdb_dir, cache_dir, out)) == EXIT_STOPPED
     assert capfd.readouterr().err.strip().splitlines()[-1].startswith("stopped: SIGINT at step 8")
     assert checkpoint_step(out) == 8
     progress = checkpoint.load(out / "checkpoints" / "last.pt")["progress"]
     epoch_1_time = checkpoint.load(out / "checkpoints" / "last.pt")["history"][0]["train_time_s"]
     assert progress["train_time_s"] > epoch_1_time  # the 2 steps of epoch 2 are counted too
-    monkeypatch.setattr(Strategy, "step", original)
+    monkeypatch.setattr(Strategy, "optimizer_step", original)
     assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0
     assert_same_run(reference, out)
 
@@ -316,16 +319,17 @@ def test_malicious_checkpoint_is_refused_not_run(tmp_path, imdb_dir, cache_dir, 
 
 
 def test_nan_loss_stops_naming_step_and_keeps_good_checkpoints(imdb_dir, cache_dir, tmp_path, monkeypatch, capfd):
-    import fastpt.trainer as trainer
+    import fastpt.step as step
 
-    out, original, calls = tmp_path / "run", trainer.forward_logits, []
+    out, original, calls = tmp_path / "run", step.classify, []
 
-    def poisoned(strategy, batch):
-        logits = original(strategy, batch)
-        calls.append(1)
-        return logits * float("nan") if len(calls) == 8 else logits  # the 8th training batch
+    def poisoned(model, batch, max_length):
+        logits = original(model, batch, max_length)
+        if model.training:
+            calls.append(1)
+        return logits * float("nan") if len(calls) == 8 and model.training else logits  # the 8th training batch
 
-    monkeypatch.setattr(trainer, "forward_logits", poisoned)
+    monkeypatch.setattr(step, "classify", poisoned)
     assert main(flags(imdb_dir, cache_dir, out)) == 1
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: training loss became NaN/inf at step 8")

@@ -21,12 +21,13 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastpt import data, metrics, models
-from fastpt.checkpoint import load_model_weights, unwrap_model
+from fastpt.checkpoint import load_model_weights
 from fastpt.config import TrainConfig
 from fastpt.distributed import DistInfo
-from fastpt.evaluation import evaluate, forward_logits
+from fastpt.evaluation import evaluate
 from fastpt.run import main
 from fastpt.strategies import build_strategy
+from fastpt.step import classify, make_forward_loss
 from fastpt.strategies.base import Strategy
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -58,8 +59,14 @@ def make_batch(batch_size: int = 4, length: int = 24, seed: int = 0) -> dict:
             "labels": torch.randint(0, 2, (batch_size,), generator=g), "weight": torch.ones(batch_size)}
 
 
+def forward_logits(strategy, batch) -> torch.Tensor:
+    with strategy.autocast():
+        return classify(strategy.model, batch, max_length=512)
+
+
 def train_loss(strategy, batch) -> torch.Tensor:
-    return F.cross_entropy(forward_logits(strategy, batch).float(), batch["labels"])
+    loss, _ = make_forward_loss(strategy, max_length=512)(strategy.model, strategy.to_device(batch))
+    return loss
 
 
 def grads(module) -> dict:
@@ -79,33 +86,33 @@ def test_autocast_runs_matmuls_low_precision_and_keeps_float32_master_weights(am
     batch = make_batch()
     strategy.backward(train_loss(strategy, batch))
     assert all(p.grad.dtype == torch.float32 for p in strategy.module.parameters() if p.grad is not None)
-    strategy.step()
+    strategy.optimizer_step()
     assert all(p.dtype == torch.float32 for p in strategy.module.parameters())
     assert all(s.dtype == torch.float32 for st in strategy.optimizer.state.values() for s in st.values()
                if torch.is_tensor(s) and s.numel() > 1)
-    assert strategy.precision.scaler.is_enabled() == (amp and dtype == "float16")  # bf16 needs no scaler
-    evaluate(strategy, [batch], torch.device("cpu"))  # evaluation runs under the same autocast
+    assert strategy.grad_scaler.is_enabled() == (amp and dtype == "float16")  # bf16 needs no scaler
+    evaluate(strategy, [batch])  # evaluation runs under the same autocast
     assert seen == [expected, expected]
 
 
 def test_grad_scaler_skips_a_step_with_inf_gradients_then_recovers():
     strategy, _ = tiny_strategy(amp=True, amp_dtype="float16")
-    scaler = strategy.precision.scaler
+    scaler = strategy.grad_scaler
     scale = scaler.get_scale()
     before = {n: p.detach().clone() for n, p in strategy.module.named_parameters()}
     strategy.backward(train_loss(strategy, make_batch()))
     strategy.module.classifier.weight.grad[0, 0] = float("inf")
-    strategy.step()
+    strategy.optimizer_step()
     assert all(torch.equal(p, before[n]) for n, p in strategy.module.named_parameters())  # step skipped
     assert scaler.get_scale() == scale / 2  # and the scale backed off
     assert strategy.training_state(None)["scaler"]["scale"] == scale / 2  # what last.pt keeps
     strategy.backward(train_loss(strategy, make_batch(seed=1)))
-    strategy.step()
+    strategy.optimizer_step()
     assert not torch.equal(strategy.module.classifier.weight, before["classifier.weight"])  # stepping again
     assert scaler.get_scale() == scale / 2
     restored, _ = tiny_strategy(amp=True, amp_dtype="float16")
     restored.load_training_state(strategy.training_state(None), None)
-    assert restored.precision.scaler.get_scale() == scale / 2
+    assert restored.grad_scaler.get_scale() == scale / 2
 
 
 def test_clipping_sees_the_unscaled_gradients(monkeypatch):
@@ -115,8 +122,8 @@ def test_clipping_sees_the_unscaled_gradients(monkeypatch):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: norms.append(clip(*a, **k)) or norms[-1])
     strategy.backward(train_loss(strategy, make_batch()))
     scaled = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads(strategy.module).values()]))
-    true_norm = scaled / strategy.precision.scaler.get_scale()
-    strategy.step()
+    true_norm = scaled / strategy.grad_scaler.get_scale()
+    strategy.optimizer_step()
     assert len(norms) == 1
     torch.testing.assert_close(norms[0], true_norm, rtol=1e-4, atol=0)
 
@@ -124,22 +131,26 @@ def test_clipping_sees_the_unscaled_gradients(monkeypatch):
 # --------------------------------------------------------------------------- torch.compile
 
 @pytest.mark.slow  # two Inductor compiles (train, eval): ~40 s on an idle 2-core CPU, minutes when loaded
-def test_compiled_matches_eager_for_every_bucketed_length_and_checkpoints_interchange():
+def test_compiled_step_matches_eager_for_every_bucketed_length_and_checkpoints_interchange():
     torch._dynamo.reset()
     strategy, eager = tiny_strategy(n_layers=1, compile=True, bucket=True)  # bucket: dynamic padding
-    assert unwrap_model(strategy.model) is strategy.module and strategy.model is not strategy.module
+    assert strategy.model is strategy.module  # one device: the step function is compiled, not the model
+    forward_loss = make_forward_loss(strategy, max_length=512)
     strategy.train(False)  # no dropout: eager and compiled draw different random masks
     eager.eval()
     for i, length in enumerate((40, 33, 57)):
         batch = make_batch(length=length, seed=i)
-        # After the first length, a recompile would be an error: one dynamic graph serves all.
+        # fullgraph=True: a graph break is an error. After the first length, so is a recompile:
+        # the token dimension is marked dynamic, so one graph serves all.
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            loss = train_loss(strategy, batch)
+            loss, sums = forward_loss(strategy.model, strategy.to_device(batch))
             loss.backward()
-        eager_loss = F.cross_entropy(eager(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                                     batch["labels"])
+        eager_logits = eager(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        eager_loss = F.cross_entropy(eager_logits, batch["labels"])
         eager_loss.backward()
         torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=1e-5)
+        correct = (eager_logits.argmax(-1) == batch["labels"]).sum().item()
+        assert sums[1].item() == correct and sums[2].item() == 4  # the metric sums come out of the same graph
         compiled_grads, eager_grads = grads(strategy.module), grads(eager)
         assert compiled_grads.keys() == eager_grads.keys()
         for name in eager_grads:
@@ -147,7 +158,7 @@ def test_compiled_matches_eager_for_every_bucketed_length_and_checkpoints_interc
         strategy.optimizer.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
     batches = [make_batch(length=n, seed=n) for n in (20, 31)]
-    compiled_eval = evaluate(strategy, batches, torch.device("cpu"))  # evaluation under compile
+    compiled_eval = evaluate(strategy, batches)  # evaluation under compile
     eager.eval()
     with torch.no_grad():
         losses = [F.cross_entropy(eager(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
@@ -165,7 +176,8 @@ def test_compiled_matches_eager_for_every_bucketed_length_and_checkpoints_interc
     probe = make_batch(length=29, seed=9)
     with torch.no_grad():
         expected = eager(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
-        torch.testing.assert_close(forward_logits(strategy, probe), expected, rtol=1e-4, atol=1e-5)
+        compiled_loss, _ = forward_loss(strategy.model, strategy.to_device(probe))
+        torch.testing.assert_close(compiled_loss, F.cross_entropy(expected, probe["labels"]), rtol=1e-4, atol=1e-5)
         eager.load_state_dict(state)
         torch.testing.assert_close(eager.classifier.weight, state["classifier.weight"])
 
@@ -174,13 +186,13 @@ def test_compiled_matches_eager_for_every_bucketed_length_and_checkpoints_interc
 
 def record_step_grads(monkeypatch) -> list:
     recorded = []
-    step = Strategy.step
+    step = Strategy.optimizer_step
 
     def recording_step(self):
         recorded.append(grads(self.module))
         step(self)
 
-    monkeypatch.setattr(Strategy, "step", recording_step)
+    monkeypatch.setattr(Strategy, "optimizer_step", recording_step)
     return recorded
 
 
@@ -214,8 +226,8 @@ def test_a_short_last_accumulation_group_is_averaged_over_its_own_batches(tiny_a
 def test_deterministic_mode_gives_bitwise_equal_runs(tiny_args, tmp_path, monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     enabled_while_training = []
-    step = Strategy.step
-    monkeypatch.setattr(Strategy, "step", lambda self: enabled_while_training.append(
+    step = Strategy.optimizer_step
+    monkeypatch.setattr(Strategy, "optimizer_step", lambda self: enabled_while_training.append(
         torch.are_deterministic_algorithms_enabled()) or step(self))
     runs = []
     try:
@@ -251,15 +263,16 @@ def test_flops_per_token_matches_a_flop_counter_on_the_article_model():
 
 
 def test_throughput_leaves_warmup_out_and_counts_real_and_padded_tokens():
-    meter = metrics.Throughput(torch.device("cpu"), warmup_steps=2, flops_fn=lambda seq: 10.0 * seq, peak_flops=1e6)
+    meter = metrics.Throughput(torch.device("cpu"), warmup_steps=2, peak_flops=1e6,
+                               flops_fn=lambda lengths: sum(10.0 * n * n for n in lengths))
     meter.start()
     for step in range(5):
-        samples = 100 if step < 2 else 4  # warm-up steps must not count
-        meter.record(samples, real_tokens=30, padded_tokens=40, seq_len=10, data_s=0.0)
+        lengths = [7] * 100 if step < 2 else [10, 5, 5, 10]  # warm-up steps must not count
+        meter.record(lengths, computed_tokens=40, data_s=0.0)
         meter.end_step()
     rates = meter.read()
     assert meter.total["samples"] == 12 and meter.total["real_tokens"] == 90 and meter.total["padded_tokens"] == 120
-    assert meter.total["flops"] == 3 * 40 * 100.0
+    assert meter.total["flops"] == 3 * 10.0 * (100 + 25 + 25 + 100)  # real tokens only
     assert rates["padding_efficiency"] == 0.75
     assert rates["samples_per_s"] * 10 == pytest.approx(rates["padded_tokens_per_s"])
     assert rates["mfu"] == pytest.approx(meter.total["flops"] / meter.total["time_s"] / 1e6)
@@ -277,6 +290,6 @@ def test_loader_and_optimiser_settings(imdb_dir, cache_dir):
     assert fused.optimizer.defaults["fused"] and not plain.optimizer.defaults["fused"]
     for strategy in (fused, plain):
         strategy.backward(train_loss(strategy, make_batch()))
-        strategy.step()
+        strategy.optimizer_step()
     for (name, a), b in zip(fused.module.named_parameters(), plain.module.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)  # same maths, one kernel

@@ -62,7 +62,7 @@ def test_best_checkpoint_reloads_into_a_plain_model_and_reproduces_the_test_scor
     splits, _ = data.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
     loader = data.make_loader(splits["test"], data.EvalBatchSampler(splits["test"], 8, 0, 1),
                               data.Collator(0, "max_length", 64), 0, False, 0)
-    test = evaluate(strategy, loader, torch.device("cpu"))
+    test = evaluate(strategy, loader)
     assert test["n"] == results["test_examples"]
     assert test["acc"] == results["test_acc"]
     assert test["loss"] == pytest.approx(results["test_loss"], rel=1e-6)
@@ -91,7 +91,7 @@ def test_evaluation_builds_no_autograd_graph_and_restores_train_mode(imdb_dir, c
     splits, _ = data.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
     loader = data.make_loader(splits["validation"], data.EvalBatchSampler(splits["validation"], 8, 0, 1),
                               data.Collator(0, "longest", 64), 0, False, 0)
-    result = evaluate(strategy, loader, torch.device("cpu"))
+    result = evaluate(strategy, loader)
     assert result["n"] == 16 and len(seen) == 2
     assert all(state == (False, False, False) for state in seen)
     assert strategy.module.training

@@ -1,17 +1,17 @@
 """The interface every strategy implements, and the single-device strategy itself.
 
-The training loop never asks which strategy it runs. It calls, in the textbook order:
+The training step (`step.train_step`) never asks which strategy it runs. It calls, in the
+textbook order:
 
-    with strategy.no_sync(not last_micro_step):      # DDP: skip the all-reduce
-        with strategy.autocast():                     # mixed precision, if on
-            loss = loss_fn(strategy.model(**inputs))
-        strategy.backward(loss / grad_accum)          # GradScaler / engine.backward
-    if last_micro_step:
-        strategy.step()                               # unscale, clip, step, update, zero_grad
+    with strategy.grad_sync(enabled=last_micro_batch):   # DDP / FSDP: reduce gradients only on the last
+        loss = forward_loss(strategy.model, batch)        # forward under strategy.autocast(), the loss
+        strategy.backward(loss / micro_batches)           # grad_scaler.scale(loss).backward()
+    strategy.optimizer_step()                             # unscale_, clip, step, update, zero_grad
 
-Strategies differ in how they wrap the model (`wrap`), run backward and step (DeepSpeed's
-engine owns both), and gather state for checkpoints (FSDP and ZeRO-3 hold shards). Every
-setup follows one documented order (see `setup`).
+Strategies differ in how they wrap the model (`wrap`), clip sharded gradients
+(`clip_grad_norm_`), run backward and step (DeepSpeed's engine owns both), and gather state
+for checkpoints (FSDP and ZeRO-3 hold shards). Every setup follows one documented order (see
+`setup`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fastpt.amp import MixedPrecision
-from fastpt.compile import apply_compile
+from fastpt.compile import apply_compile, mark_token_dim_dynamic
 from fastpt.config import TrainConfig
 from fastpt.distributed import DistInfo
 
@@ -31,19 +31,23 @@ class Strategy:
     """One process, one device: Lightning's `Trainer(devices=1)`."""
 
     name = "single"
-    lightning = 'Trainer(devices=1)'
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist
         self.device = dist.device
         self.precision = MixedPrecision(cfg.amp, cfg.amp_dtype, dist.device)
         self.module: torch.nn.Module | None = None  # the plain model: what checkpoints hold
-        self.model: torch.nn.Module | None = None  # what the loop calls: compiled / wrapped
+        self.model: torch.nn.Module | None = None  # what the step calls: wrapped (DDP, FSDP, engine)
         self.optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        return self.precision.grad_scaler
 
     # ------------------------------------------------------------------ setup
     def setup(self, model: torch.nn.Module) -> None:
-        """The one order: to device -> compile -> wrap (DDP; FSDP compiles then shards each layer) -> optimizer.
+        """The one order: to device -> wrap (DDP compiles, then wraps; FSDP compiles, then shards each layer)
+        -> optimizer.
 
         The optimizer is built last, from the parameters as they finally are (FSDP replaces
         them with sharded DTensors).
@@ -53,9 +57,19 @@ class Strategy:
         self.optimizer = self.build_optimizer(self.module)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Nothing on one device: `compile_step` compiles the whole step function instead."""
+        return module
+
+    def compile_step(self, fn):
+        """`fn(model, batch)` compiled whole (`fullgraph=True`) with --compile; else fn itself.
+
+        On one device the compiled unit is the step's forward, loss and metric sums, so a
+        reader reads exactly what runs. DDP and FSDP compile the model in `wrap` instead (their
+        communication hooks sit between the compiled regions) and leave `fn` eager.
+        """
         if not self.cfg.compile:
-            return module
-        return apply_compile(module, self.cfg.compile_mode, dynamic_shapes=self.cfg.pad_to == "longest")
+            return fn
+        return apply_compile(fn, self.cfg.compile_mode, fullgraph=True)
 
     def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         """The article's Adam (lr 5e-5, no weight decay), fused into one kernel where asked or on CUDA.
@@ -67,22 +81,40 @@ class Strategy:
         return torch.optim.Adam(module.parameters(), lr=self.cfg.lr, fused=fused or None)
 
     # ------------------------------------------------------------------ the step
+    def to_device(self, batch: dict) -> dict:
+        """The batch's tensors on this rank's device (asynchronous from pinned memory)."""
+        moved = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if self.cfg.compile and self.cfg.varying_lengths:
+            mark_token_dim_dynamic(moved)  # one compiled graph for every length
+        return moved
+
     def autocast(self):
         return self.precision.autocast()
 
-    def no_sync(self, skip: bool):
-        """Skip gradient synchronisation on accumulation micro-steps (DDP); nothing here."""
+    def grad_sync(self, enabled: bool):
+        """Whether this backward reduces gradients across processes (DDP, FSDP); nothing to do here."""
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.precision.scale(loss).backward()
+        self.grad_scaler.scale(loss).backward()  # float16: scaled up so small gradients do not underflow
 
-    def step(self) -> None:
+    def optimizer_step(self) -> None:
+        """The GradScaler's remaining calls in their order around clipping and the step."""
         if self.cfg.max_grad_norm is not None:
-            self.precision.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm)
-        self.precision.step(self.optimizer)
+            self.grad_scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            self.clip_grad_norm_(self.cfg.max_grad_norm)
+        self.grad_scaler.step(self.optimizer)  # skipped if the gradients hold inf/NaN
+        self.grad_scaler.update()  # lower the scale after a skipped step, raise it after many good ones
         self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale all gradients so that their global norm is at most max_norm (FSDP overrides: shards)."""
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        """True where a NaN/inf loss is expected now and then and handled (float16's GradScaler)."""
+        return self.grad_scaler.is_enabled()
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)

@@ -9,7 +9,8 @@ of backward, bucket by bucket. The article measured 3.52 min on 4 A100s vs 8.75 
 
 What it costs: a full model, gradients and optimiser state on every GPU (see --fsdp and
 --deepspeed for sharding them), and one all-reduce of all gradients per step. With gradient
-accumulation, `no_sync` skips the all-reduce on every micro-step but the last.
+accumulation, `grad_sync(enabled=False)` (DDP's `no_sync`) skips the all-reduce on every
+micro-batch but the last.
 
 The effective batch is batch_size x world_size: 2 processes with batch 12 take the same
 steps as one process with batch 24.
@@ -17,23 +18,29 @@ steps as one process with batch 24.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from fastpt.compile import apply_compile
 from fastpt.strategies.base import Strategy
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
-    lightning = 'Trainer(strategy="ddp", devices=N)'
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         # Compile first, then wrap: DDP's graph-break optimizer (DDPOptimizer) splits the
         # compiled graph at bucket boundaries so each bucket's all-reduce starts as soon as
         # its gradients are ready.
-        compiled = super().wrap(module)
+        if self.cfg.compile:
+            module = apply_compile(module, self.cfg.compile_mode)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(compiled, device_ids=device_ids)
+        return DistributedDataParallel(module, device_ids=device_ids)
 
-    def no_sync(self, skip: bool):
-        return self.model.no_sync() if skip else super().no_sync(skip)
+    def compile_step(self, fn):
+        return fn  # the model inside DDP is compiled (see wrap)
+
+    def grad_sync(self, enabled: bool):
+        return contextlib.nullcontext() if enabled else self.model.no_sync()

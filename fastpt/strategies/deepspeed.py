@@ -78,7 +78,6 @@ def _check_user_config(user: dict, generated: dict) -> None:
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
-    lightning = 'Trainer(strategy="deepspeed_stage_2", devices=N)'
 
     def setup(self, model: torch.nn.Module) -> None:
         """Build the engine: it moves the model to the device, casts it (--amp) and wraps the optimiser."""
@@ -93,6 +92,8 @@ class DeepSpeedStrategy(Strategy):
         self.module = self.model.module
         self.optimizer = self.model.optimizer  # the ZeRO wrapper; param_groups reach the inner Adam
         self.zero_stage = self.model.zero_optimization_stage()
+        # fp16 loss scaling happens inside the engine (its own dynamic scaler skips inf steps).
+        self._skips_nonfinite = self.ds_config.get("fp16", {}).get("enabled", False)
         self._previous_tag: str | None = None
 
     # ------------------------------------------------------------------ the step
@@ -100,24 +101,31 @@ class DeepSpeedStrategy(Strategy):
         """Nothing: with fp16/bf16 enabled, the engine has already cast the model."""
         return contextlib.nullcontext()
 
+    def compile_step(self, fn):
+        return fn  # refused in the config: the engine wraps the model itself
+
     @contextlib.contextmanager
-    def no_sync(self, skip: bool):
+    def grad_sync(self, enabled: bool):
         """Tell the engine whether this micro-step ends an accumulation window.
 
         At the boundary ZeRO reduces (stage 1) or reduce-scatters (stages 2-3) the gradients;
         before it, they accumulate locally. The loop decides the boundary, also for a short last
         window at the end of an epoch, so the engine's own micro-step counter is overridden.
         """
-        self.model.set_gradient_accumulation_boundary(not skip)
+        self.model.set_gradient_accumulation_boundary(enabled)
         yield
 
     def backward(self, loss: torch.Tensor) -> None:
         # The loop has already divided the loss by --grad-accum; the engine must not do it again.
         self.model.backward(loss, scale_wrt_gas=False)
 
-    def step(self) -> None:
+    def optimizer_step(self) -> None:
         """Unscale (fp16), clip to gradient_clipping, step, zero the gradients: all inside the engine."""
         self.model.step()
+
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        return self._skips_nonfinite
 
     # ------------------------------------------------------------------ state
     def model_state_dict(self) -> dict:

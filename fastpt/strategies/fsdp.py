@@ -44,6 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
+from fastpt.compile import compile_options
 from fastpt.strategies.base import Strategy
 
 # Gather to full tensors on rank 0's CPU; other ranks get an empty dict (saving is rank 0's job).
@@ -62,17 +63,20 @@ def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_fsdp(model: torch.nn.Module, reshard_after_forward: bool = True,
-               param_dtype: torch.dtype | None = None, compile_mode: str | None = None) -> torch.nn.Module:
+               param_dtype: torch.dtype | None = None, compile_mode: str | None = None,
+               dynamic_tokens: bool = False) -> torch.nn.Module:
     """Shard each transformer layer, then the root; the model is changed in place and returned.
 
     With `compile_mode`, each layer is compiled in place before sharding (torchtitan's order):
     the compiled regions are the layers, and FSDP's all-gather / reduce-scatter hooks run
     between them, so no collective breaks a compiled graph and parameter names do not change.
+    A layer's input is a hidden state, not the marked input ids, so where lengths vary
+    (`dynamic_tokens`) each layer is compiled with dynamic shapes.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in transformer_layers(model):
         if compile_mode is not None:
-            layer.compile(mode=None if compile_mode == "default" else compile_mode)
+            layer.compile(**compile_options(compile_mode, dynamic=True if dynamic_tokens else None))  # in place
         fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     # The root holds the embeddings and the classifier; FSDP keeps its weights gathered
     # between forward and backward, since backward needs them straight away.
@@ -82,35 +86,33 @@ def apply_fsdp(model: torch.nn.Module, reshard_after_forward: bool = True,
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    lightning = 'Trainer(strategy="fsdp", devices=N)'
 
     def __init__(self, cfg, dist):
         super().__init__(cfg, dist)
-        if self.precision.scaler.is_enabled():
+        if self.grad_scaler.is_enabled():
             # Each rank checks only its gradient shard for inf/NaN; this scaler all-reduces
             # the flag so every rank skips (or takes) the same step.
-            self.precision.scaler = ShardedGradScaler(self.device.type)
+            self.precision.grad_scaler = ShardedGradScaler(self.device.type)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         param_dtype = self.precision.dtype if self.cfg.amp else None
         return apply_fsdp(module, self.cfg.fsdp_reshard_after_forward, param_dtype,
-                          self.cfg.compile_mode if self.cfg.compile else None)
+                          self.cfg.compile_mode if self.cfg.compile else None, self.cfg.varying_lengths)
+
+    def compile_step(self, fn):
+        return fn  # each layer is compiled inside apply_fsdp
 
     @contextlib.contextmanager
-    def no_sync(self, skip: bool):
-        """On accumulation micro-steps keep full local gradients instead of reduce-scattering."""
-        self.module.set_requires_gradient_sync(not skip)
+    def grad_sync(self, enabled: bool):
+        """On accumulation micro-batches keep full local gradients instead of reduce-scattering."""
+        self.module.set_requires_gradient_sync(enabled)
         try:
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def step(self) -> None:
-        if self.cfg.max_grad_norm is not None:
-            self.precision.unscale_(self.optimizer)
-            clip_sharded_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm)
-        self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_sharded_grad_norm_(self.module.parameters(), max_norm)
 
     # ------------------------------------------------------------------ state
     def model_state_dict(self) -> dict:

@@ -27,8 +27,8 @@ from fastpt.strategies.base import Strategy  # noqa: E402
 
 
 def at_step(k: int, action) -> None:
-    """Call action() at the start of the k-th Strategy.step in this process."""
-    original = Strategy.step
+    """Call action() at the start of the k-th Strategy.optimizer_step in this process."""
+    original = Strategy.optimizer_step
     calls = {"n": 0}
 
     def step(self):
@@ -37,7 +37,7 @@ def at_step(k: int, action) -> None:
             action()
         return original(self)
 
-    Strategy.step = step
+    Strategy.optimizer_step = step
 
 
 def die_in_save(n: int) -> None:

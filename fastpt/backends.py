@@ -1,0 +1,39 @@
+"""Process-wide switches, set in one place before anything runs: TF32, cuDNN autotuning,
+deterministic algorithms, and where compiled kernels are cached.
+
+- `--tf32`: float32 matmuls on Ampere and newer GPUs run on tensor cores with a 10-bit
+  mantissa (TF32): up to 8x the float32 rate, at about bfloat16-like input precision. Off by
+  default, as in PyTorch. With `--amp` most matmuls are 16-bit anyway.
+- cuDNN benchmark: cuDNN times its algorithms for each new input shape and keeps the fastest;
+  on unless `--deterministic`, which forbids that choice.
+- `--deterministic`: `torch.use_deterministic_algorithms(True)` (Lightning's
+  `deterministic=True`): bitwise-repeatable runs, at a measured cost in speed. It is
+  process-wide, so `restore()` turns it back off when the run ends.
+- The Inductor cache: `torch.compile` stores generated kernels and compiled graphs on disk
+  and reuses them when the same graph comes again, so a second run skips most of the compile.
+  fastpt keeps them in `<cache dir>/inductor` (the token cache's folder, `$FASTPT_CACHE_DIR`
+  or `~/.cache/fastpt`) unless `TORCHINDUCTOR_CACHE_DIR` is already set.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def configure(cfg, device: torch.device, cache_root: Path) -> None:
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.benchmark = not cfg.deterministic
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+    if cfg.compile:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))
+
+
+def restore(cfg) -> None:
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(False)

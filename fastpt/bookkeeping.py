@@ -1,0 +1,189 @@
+"""Everything around the training step that is not the computation.
+
+`step.train_epoch` is the textbook loop; this object keeps what a real run needs beside it:
+- where the run is (epoch, batch in the epoch, optimiser step, training time), resumable;
+- the epoch's metric sums and the loss window since the last log line, kept on the device
+  and read only at log steps (a `.item()` per step would make the host wait for the device);
+- the first step whose loss was not finite (checked at log and save steps);
+- the throughput meter, the compile clock and the progress bar;
+- log lines (at steps 1, 2, 4, ... until --log-every, then every --log-every steps), last.pt
+  every --save-every steps, and a graceful stop after SIGTERM / SIGINT.
+
+It is built from a checkpoint's state when resuming, so a resumed run logs, averages and
+times exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from fastpt import distributed, metrics
+from fastpt.signals import StopRequested
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became NaN or infinite (outside float16 AMP, where the scaler handles it)."""
+
+
+def is_log_step(step: int, log_every: int) -> bool:
+    """Every log_every steps, and at 1, 2, 4, 8, ... before that, so short runs still draw a curve."""
+    return step % log_every == 0 or (step < log_every and step & (step - 1) == 0)
+
+
+class Bookkeeping:
+    def __init__(self, cfg, dist, out_dir, tracker, meter: metrics.Throughput, stopper, save_last: Callable[[], None],
+                 skips_nonfinite_steps: bool, lr: Callable[[], float], resume: Optional[dict] = None):
+        self.cfg, self.dist, self.device, self.out_dir = cfg, dist, dist.device, out_dir
+        self.tracker, self.meter, self.stopper, self.save_last = tracker, meter, stopper, save_last
+        self.skips_nonfinite_steps, self.lr = skips_nonfinite_steps, lr
+        self.compile_clock = metrics.CompileClock()
+        self.token_shapes: set[int] = set()  # distinct batch widths / packed lengths: CUDA graphs record one each
+        progress = resume["progress"] if resume else {}
+        self.epoch = progress.get("epoch", 0)
+        self.batch_in_epoch = progress.get("batch_in_epoch", 0)
+        self.global_step = progress.get("global_step", 0)
+        self.train_time_s = progress.get("train_time_s", 0.0)
+        self.first_step_s = progress.get("first_step_s")
+        self.resumed_at_step = self.global_step if resume else None
+        mine = resume["per_rank"][dist.rank] if resume else {}
+        self.epoch_sums = self._on_device(mine.get("epoch_sums"))
+        window = mine.get("window")
+        self.window_loss = self._on_device(window[0]) if window else None
+        self.window_count = window[1] if window else 0
+        self.epoch_clock = None
+
+    def _on_device(self, t):
+        return None if t is None else t.to(self.device)
+
+    # ------------------------------------------------------------------ around the loop
+    def timed(self, loader):
+        """The loader's batches, each counted, timed (the wait for data) and recorded by the meter."""
+        self.n_batches = self.batch_in_epoch + len(loader)  # after a resume the loader yields the rest
+        if self.epoch_sums is None:
+            self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, seen
+        if self.window_loss is None:
+            self.window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
+        self.bar = self.tracker.bar(self.n_batches, f"epoch {self.epoch + 1}/{self.cfg.epochs}",
+                                    initial=self.batch_in_epoch)
+        self.meter.start()
+        self.step_start = time.perf_counter()
+        batches = iter(loader)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            self.batch_in_epoch += 1
+            self.meter.record(batch["lengths"], batch["num_tokens"], time.perf_counter() - t0)
+            self.token_shapes.add(batch["num_tokens"] // len(batch["lengths"]) if "cu_seqlens" not in batch
+                                  else batch["num_tokens"])
+            self.bar.update(1)
+            yield batch
+
+    def ends_step(self, micro_batches: int) -> bool:
+        """Whether the collected micro-batches make an optimiser step (the epoch's last group may be short)."""
+        return micro_batches == self.cfg.grad_accum or self.batch_in_epoch == self.n_batches
+
+    def after_step(self, sums: torch.Tensor, micro_batches: int) -> bool:
+        """Account for one optimiser step; log, save, stop as due. True once --max-steps is reached."""
+        cfg = self.cfg
+        self.epoch_sums += sums[:3]
+        self.window_loss += sums[3]
+        self.window_count += micro_batches
+        if not self.skips_nonfinite_steps:
+            self.first_bad_step = torch.where((self.first_bad_step < 0) & ~torch.isfinite(sums[3]),
+                                              self.global_step + 1, self.first_bad_step)
+        self.global_step += 1
+        if self.first_step_s is None:  # includes compilation with --compile
+            metrics.synchronize(self.device)
+            self.first_step_s = time.perf_counter() - self.epoch_clock
+        self.compile_clock.tick(since=self.step_start)
+        self.meter.end_step()
+        at_log = is_log_step(self.global_step, cfg.log_every)
+        # Not on the epoch's last step: the end-of-epoch checkpoint follows, after validation
+        # has logged at this same step (a resume from here would log those points twice).
+        epoch_ends = self.batch_in_epoch == self.n_batches or self.max_steps_reached()
+        at_save = cfg.save_every is not None and self.global_step % cfg.save_every == 0 and not epoch_ends
+        if at_log or at_save:
+            self.check_finite()
+        if at_log:
+            self._log()
+        if at_save:
+            self.save_last()
+        # Under torchrun, asking all ranks is a collective: only where the host waits anyway.
+        if (at_log or at_save or self.dist.world_size == 1) and self.stopper.requested():
+            if not at_save:  # finish the step, keep it, then leave: never lose more than the step in flight
+                self.check_finite()
+                self.save_last()
+            raise StopRequested(f"{self.stopper.signal_name} at step {self.global_step}, checkpoint saved; "
+                                f"resume with --resume auto --out {self.out_dir}")
+        self.step_start = time.perf_counter()
+        return self.max_steps_reached()
+
+    def end_epoch(self) -> dict:
+        """The epoch's training loss and accuracy over all ranks."""
+        self.bar.close()
+        self.check_finite()
+        self.meter.read()
+        sums = distributed.all_reduce_sum(self.epoch_sums.clone()).tolist()
+        self.epoch_sums = None
+        return {"train_loss": sums[0] / max(sums[2], 1), "train_acc": sums[1] / max(sums[2], 1)}
+
+    def max_steps_reached(self) -> bool:
+        return self.cfg.max_steps is not None and self.global_step >= self.cfg.max_steps
+
+    # ------------------------------------------------------------------ the epoch clock
+    def start_epoch_clock(self) -> None:
+        self.epoch_clock = time.perf_counter()
+
+    def stop_epoch_clock(self) -> None:
+        """Training and validation of the epoch, as the article times it."""
+        self.train_time_s += time.perf_counter() - self.epoch_clock
+        self.epoch_clock = None
+
+    def elapsed_s(self) -> float:
+        """train_time_s including the running epoch so far."""
+        return self.train_time_s + (time.perf_counter() - self.epoch_clock if self.epoch_clock else 0.0)
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.batch_in_epoch = 0
+
+    # ------------------------------------------------------------------ reading the device
+    def check_finite(self) -> None:
+        step = int(self.first_bad_step.item())
+        if distributed.any_rank(step >= 0, self.device):
+            raise NonFiniteLoss(f"training loss became NaN/inf at step {step if step >= 0 else '(another rank)'}; "
+                                f"no checkpoint was written after it (try --amp, a lower --lr or --max-grad-norm)")
+
+    def _log(self) -> None:
+        loss = (distributed.all_reduce_sum(self.window_loss.clone()).item()
+                / (max(self.window_count, 1) * self.dist.world_size))
+        self.window_loss.zero_()
+        self.window_count = 0
+        rates = self.meter.read()
+        rates = {k: v * self.dist.world_size if k in metrics.SUMMED_OVER_RANKS else v
+                 for k, v in rates.items()}  # rank 0's rate x ranks: all ranks run in lockstep
+        self.tracker.scalars({"loss": loss, "lr": self.lr(), **rates,
+                              "peak_memory_gb": metrics.peak_memory_bytes(self.device) / 2**30},
+                             self.global_step, prefix="train/")
+        self.bar.set_postfix(loss=f"{loss:.4f}", **({"samples/s": f"{rates['samples_per_s']:.1f}"} if rates else {}))
+        if not self.tracker.progress:  # no bar to show it: one line per log step instead
+            self.tracker.print(f"step {self.global_step}: loss {loss:.4f}"
+                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else ""))
+
+    # ------------------------------------------------------------------ resume state
+    def progress(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "global_step": self.global_step,
+                "train_time_s": self.elapsed_s(), "first_step_s": self.first_step_s}
+
+    def rank_state(self) -> dict:
+        """This rank's running sums: in last.pt, so a resumed run averages and logs as the uninterrupted one."""
+        return {
+            "epoch_sums": None if self.epoch_sums is None else self.epoch_sums.cpu(),
+            "window": None if self.window_loss is None else (self.window_loss.cpu(), self.window_count),
+        }
