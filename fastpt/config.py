@@ -23,7 +23,7 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed")
 # Settings that change what a checkpoint holds: resuming with any of them changed is refused.
 RESUME_SENSITIVE = (
     "model", "random_init", "max_length", "batch_size", "lr", "seed", "grad_accum",
-    "train_size", "strategy", "amp", "amp_dtype", "zero_stage", "bucket", "pad_to",
+    "train_size", "strategy", "amp", "amp_dtype", "zero_stage", "bucket", "pad_to", "pack",
 )
 
 
@@ -58,6 +58,10 @@ class TrainConfig:
     pad_to: str = "max_length"
     bucket: bool = False
     bucket_multiplier: int = 50
+    pack: bool = False
+    pack_multiple: Optional[int] = None
+    data_on_device: bool = False
+    eval_batch_size: int = 128
 
     # Single-device speed-ups.
     device: str = "auto"
@@ -88,9 +92,10 @@ class TrainConfig:
     tensorboard: bool = True
 
     def __post_init__(self) -> None:
-        positive = ["max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier"]
+        positive = ["max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier",
+                    "eval_batch_size"]
         optional_positive = ["train_size", "val_size", "test_size", "max_steps", "save_every",
-                             "early_stopping_patience"]
+                             "early_stopping_patience", "pack_multiple"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -124,8 +129,19 @@ class TrainConfig:
             raise ValueError("--deepspeed-config needs --deepspeed")
         if self.strategy == "deepspeed" and self.compile:
             raise ValueError("--compile is not supported with --deepspeed (DeepSpeed wraps the model itself)")
+        if self.pack and self.bucket:
+            raise ValueError("--pack leaves no padding for --bucket to remove; use one of them")
+        if self.pack and self.attn_implementation != "sdpa":
+            raise ValueError("--pack brings its own attention kernel; drop --attn-implementation")
+        if self.pack_multiple is not None and not self.pack:
+            raise ValueError("--pack-multiple needs --pack")
         if self.early_stopping_patience is None and self.min_delta != 0.0:
             raise ValueError("--min-delta needs --early-stopping-patience")
+
+    @property
+    def varying_lengths(self) -> bool:
+        """Whether batches differ in token count (dynamic padding or packing)."""
+        return self.pad_to == "longest" or self.pack
 
     @property
     def monitor_mode(self) -> str:
@@ -201,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-pin-memory", dest="pin_memory", action="store_false")
     g.add_argument("--pad-to", default=d.pad_to, choices=("max_length", "longest"))
     g.add_argument("--bucket", action="store_true", help="length-grouped batches with dynamic padding")
+    g.add_argument("--pack", action="store_true",
+                   help="padding-free batches: the batch's reviews end to end as one token stream")
+    g.add_argument("--pack-multiple", type=int, default=None,
+                   help="with --pack: round each batch's token count up to a multiple of N (few shapes for CUDA graphs)")
+    g.add_argument("--data-on-device", action="store_true",
+                   help="keep the tokenised splits on the device and gather batches there (no workers, no copies)")
+    g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,
+                   help="batch size for validation and test (no gradients: larger batches fit)")
     g.add_argument("--bucket-multiplier", type=int, default=None,
                    help=f"mega-batch size in batches for --bucket (default {d.bucket_multiplier}); smaller mixes "
                         "lengths more within a batch and pads more")

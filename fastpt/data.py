@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -63,13 +64,19 @@ class TokenizedSplit(Dataset):
 
 
 class Collator:
-    """Pads a batch to `max_length` (the article) or to its own longest sequence."""
+    """Pads a batch to `max_length` (the article) or to its own longest sequence.
+
+    Besides the tensors, a batch carries `lengths` (each review's tokens) and `num_tokens` (the
+    tokens the model computes, padding included) as Python ints, so the throughput meter counts
+    without reading a tensor.
+    """
 
     def __init__(self, pad_id: int, pad_to: str, max_length: int):
         self.pad_id, self.pad_to, self.max_length = pad_id, pad_to, max_length
 
     def __call__(self, items):
-        width = self.max_length if self.pad_to == "max_length" else max(len(t) for t, _, _ in items)
+        lengths = [len(t) for t, _, _ in items]
+        width = self.max_length if self.pad_to == "max_length" else max(lengths)
         input_ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(items), width), dtype=torch.long)
         for row, (tokens, _, _) in enumerate(items):
@@ -80,7 +87,17 @@ class Collator:
             "attention_mask": attention_mask,
             "labels": torch.tensor([label for _, label, _ in items], dtype=torch.long),
             "weight": torch.tensor([weight for _, _, weight in items], dtype=torch.float32),
+            "lengths": lengths,
+            "num_tokens": len(items) * width,
         }
+
+
+def make_collator(cfg, pad_id: int):
+    """Padded batches (Collator), or padding-free packed ones with --pack (packing.PackedCollator)."""
+    if cfg.pack:
+        from fastpt.packing import PackedCollator
+        return PackedCollator(pad_id, cfg.pack_multiple)
+    return Collator(pad_id, cfg.pad_to, cfg.max_length)
 
 
 # --------------------------------------------------------------------------- samplers
@@ -122,11 +139,13 @@ class TrainBatchSampler(Sampler):
 
 
 class EvalBatchSampler(Sampler):
-    """Every example on exactly one rank; ranks padded with weight-0 repeats to equal batch counts.
+    """Every example on exactly one rank; weight-0 repeats fill the last batch and even out ranks.
 
     Equal counts matter: sharded models (FSDP, ZeRO-3) run collectives inside forward, so all
-    ranks must run the same number of batches. With `sort_by_length` batches are grouped by
-    length (order does not change the metrics), which cuts padding in evaluation too.
+    ranks must run the same number of batches; full last batches give evaluation one batch shape,
+    which a compiled (or CUDA-graph) evaluation then never recompiles. The filler is the split's
+    shortest review, the cheapest to compute. With `sort_by_length` batches are grouped by length
+    (order does not change the metrics), which cuts padding in evaluation too.
     """
 
     def __init__(self, dataset: TokenizedSplit, batch_size: int, rank: int, world_size: int,
@@ -134,9 +153,12 @@ class EvalBatchSampler(Sampler):
         n = len(dataset)
         order = np.argsort(-dataset.lengths, kind="stable") if sort_by_length else np.arange(n)
         mine = order[rank::world_size].tolist()
-        per_rank = -(-n // world_size)
+        per_rank = math.ceil(n / world_size)
+        batch_size = max(1, min(batch_size, per_rank))  # a small split: one batch, no filler
+        per_rank = math.ceil(per_rank / batch_size) * batch_size  # whole batches on every rank
+        filler = int(np.argmin(dataset.lengths)) if n else 0
         items = [(i, 1.0) for i in mine]
-        items += [(int(order[0]), 0.0)] * (per_rank - len(mine))  # padding, counted with weight 0
+        items += [(filler, 0.0)] * (per_rank - len(mine))  # padding, counted with weight 0
         self.batches_ = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
 
     def __iter__(self):

@@ -1,15 +1,18 @@
-"""Does `--bucket` cost accuracy? Plain and length-grouped batching, trained side by side over several seeds.
+"""Do `--bucket` or `--pack` cost accuracy? Random padded batches against length-grouped or
+packed batches, trained side by side over several seeds.
 
     python scripts/bucket_accuracy.py                          # MiniLM, 2000/500/1000 reviews, 256 tokens,
                                                                # 2 epochs, bf16, 3 seeds: ~75 min on 2 cores
     python scripts/bucket_accuracy.py --multipliers 50 10      # also a smaller mega-batch
+    python scripts/bucket_accuracy.py --multipliers --pack     # random batches against --pack only
     python scripts/bucket_accuracy.py --preset smoke --data-dir DIR --seeds 1 2   # tiny model (tests)
 
 A single pair of runs cannot answer the question: on a few thousand reviews, one seed's batch
 order moves the test accuracy by several points on its own. So every seed trains the same
-model on the same reviews once with random batches and once per bucketing multiplier; the
-seed fixes the classifier's initialisation, dropout and the shuffle, and bucketing then
-regroups that same shuffle. The report gives each run's test accuracy (best checkpoint on
+model on the same reviews once with random batches, once per bucketing multiplier and, with
+--pack, once with packed batches; the seed fixes the classifier's initialisation, dropout and
+the shuffle, and bucketing then regroups that same shuffle (packing keeps it: the same reviews
+in the same batches, without padding and without attention dropout). The report gives each run's test accuracy (best checkpoint on
 validation, as the articles test), the mean and standard deviation per configuration, and the
 per-seed difference from plain batching with its mean and standard deviation: bucketing is
 within noise when that mean difference is small next to the spread between seeds.
@@ -41,20 +44,22 @@ PRESETS = {
 }
 
 
-def configurations(multipliers: list) -> list:
-    """(key, label, flags): random batches first, then one bucketed configuration per multiplier."""
+def configurations(multipliers: list, pack: bool = False) -> list:
+    """(key, label, flags): random batches first, then one bucketed configuration per multiplier, then --pack."""
     configs = [("plain", "random batches (as the article)", ())]
     for m in multipliers:
         configs.append((f"bucket-m{m}", f"`--bucket --bucket-multiplier {m}`",
                         ("--bucket", "--bucket-multiplier", str(m))))
+    if pack:
+        configs.append(("pack", "`--pack` (random batches, padding-free)", ("--pack",)))
     return configs
 
 
-def plan(preset: str, seeds: list, multipliers: list, data_args: list, runs_dir: Path) -> list:
+def plan(preset: str, seeds: list, multipliers: list, data_args: list, runs_dir: Path, pack: bool = False) -> list:
     """(seed, config key, Run), seed by seed, so a grid stopped early still holds complete pairs."""
     grid = []
     for seed in seeds:
-        for key, label, flags in configurations(multipliers):
+        for key, label, flags in configurations(multipliers, pack):
             out = runs_dir / key / f"seed{seed}"
             command = [sys.executable, "train.py", *PRESETS[preset][1], *data_args, *flags, "--seed", str(seed),
                        "--out", str(out), "--overwrite", "--no-progress"]
@@ -70,8 +75,8 @@ def _mean_sd(values: list, digits: int = 2) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def report(grid: list, multipliers: list, preset: str, argv: list, padding: list = ()) -> str:
-    configs = configurations(multipliers)
+def report(grid: list, multipliers: list, preset: str, argv: list, padding: list = (), pack: bool = False) -> str:
+    configs = configurations(multipliers, pack)
     seeds = sorted({seed for seed, _, _ in grid}, key=[s for s, _, _ in grid].index)
     res = {(seed, key): run.results for seed, key, run in grid if run.results}
     acc = {pair: 100 * results["test_acc"] for pair, results in res.items()}
@@ -94,7 +99,7 @@ def report(grid: list, multipliers: list, preset: str, argv: list, padding: list
         summary.append(" | ".join([
             f"| {label}", str(len(done)), _mean_sd([acc[(s, key)] for s in done]), diff,
             _mean_sd([100 * res[(s, key)]["best_val_acc"] for s in done if res[(s, key)].get("best_val_acc")]),
-            _mean_sd([res[(s, key)]["padding_efficiency"] for s in done], 3),
+            _mean_sd([res[(s, key)]["padding_efficiency"] for s in done if res[(s, key)].get("padding_efficiency")], 3),
             _mean_sd([res[(s, key)]["train_time_s"] / 60 for s in done])]) + " |")
 
     curves = ["| seed | configuration | " + " | ".join(f"val acc epoch {e}" for e in range(1, _epochs(res) + 1)) + " |"]
@@ -106,7 +111,7 @@ def report(grid: list, multipliers: list, preset: str, argv: list, padding: list
                 curves.append(f"| {seed} | {key} | " + " | ".join(vals) + " |")
 
     return "\n".join([
-        f"# Length bucketing and accuracy, preset `{preset}`",
+        f"# Batching and accuracy, preset `{preset}`",
         "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}",
         f"- machine: {machine()}",
@@ -159,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     p.add_argument("--seeds", type=int, nargs="+", default=[123, 7, 1])
-    p.add_argument("--multipliers", type=int, nargs="+", default=[50],
-                   help="--bucket-multiplier values to compare with random batches (default: 50, fastpt's default)")
+    p.add_argument("--multipliers", type=int, nargs="*", default=[50],
+                   help="--bucket-multiplier values to compare with random batches (default: 50, fastpt's default; "
+                        "none: no bucketed runs)")
+    p.add_argument("--pack", action="store_true", help="also train with --pack (padding-free batches)")
     p.add_argument("--data-dir", default=None, help="IMDB data (default: $FASTPT_DATA_DIR, ./data or ../shared/data)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--runs-dir", default=None, help="run folders (default: runs/bucket-accuracy-<preset>)")
@@ -180,14 +187,14 @@ def main(argv=None) -> int:
     data_args = (["--data-dir", data_dir] if data_dir else []) + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
     runs_dir = Path(args.runs_dir or ROOT / "runs" / f"bucket-accuracy-{args.preset}").resolve()
     multipliers = list(dict.fromkeys(args.multipliers))
-    grid = plan(args.preset, args.seeds, multipliers, data_args, runs_dir)
+    grid = plan(args.preset, args.seeds, multipliers, data_args, runs_dir, args.pack)
     report_path = Path(args.report or ROOT / "scripts" / "results" / f"bucket-accuracy-{args.preset}.md")
     report_path.parent.mkdir(parents=True, exist_ok=True)
     for _, _, run in grid:
         execute(run, args.force)
-        report_path.write_text(report(grid, multipliers, args.preset, argv))  # a partial grid is still readable
+        report_path.write_text(report(grid, multipliers, args.preset, argv, pack=args.pack))  # partial: readable
     padding = full_split_padding(args.preset, data_dir, args.cache_dir, multipliers)
-    md = report(grid, multipliers, args.preset, argv, padding)
+    md = report(grid, multipliers, args.preset, argv, padding, args.pack)
     report_path.write_text(md)
     print(md)
     print(f"written: {report_path}")

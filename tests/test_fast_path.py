@@ -1,0 +1,109 @@
+"""The single-GPU fast path, proved on the CPU: batches gathered on the device equal the
+DataLoader's, steady-state steps read nothing back from the device, evaluation batches all
+have one shape, and compile time, graph counts and rates are reported apart.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastpt import bookkeeping, data
+from fastpt.device_data import DeviceLoader
+from fastpt.run import main
+
+# Ops that make the host wait for a value computed on the device: `.item()`, `bool(t)`,
+# `.tolist()` (all dispatch to _local_scalar_dense), comparisons returning a Python bool, and
+# ops whose output size depends on the data.
+HOST_READS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "nonzero", "masked_select", "unique",
+              "_unique", "_unique2", "unique_consecutive", "unique_dim"}
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that reads a device value back to the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in HOST_READS or (name == "repeat_interleave" and (kwargs or {}).get("output_size") is None
+                                  and len(args) >= 1 and torch.is_tensor(args[0]) and len(args) < 3):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def made_up_split(n: int = 40, seed: int = 0) -> data.TokenizedSplit:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, 30, size=n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = rng.integers(1000, 3000, size=offsets[-1]).astype(np.int32)
+    return data.TokenizedSplit(ids, offsets, rng.integers(0, 2, size=n))
+
+
+def loader_batches(split, sampler, collate) -> list[dict]:
+    return list(data.make_loader(split, sampler, collate, num_workers=0, pin_memory=False, seed=0))
+
+
+def assert_same_batches(expected: list[dict], got: list[dict]) -> None:
+    assert len(expected) == len(got) > 0
+    for a, b in zip(expected, got):
+        assert a.keys() == b.keys()
+        for key in a:
+            if torch.is_tensor(a[key]):
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+            else:
+                assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("pad_to", ["max_length", "longest"])
+def test_device_batches_equal_the_data_loaders(pad_to):
+    split = made_up_split()
+    collate = data.Collator(0, pad_to, 32)
+    train = data.TrainBatchSampler(split, 6, rank=0, world_size=1, seed=3)
+    train.set_epoch(1)
+    assert_same_batches(loader_batches(split, train, collate), list(DeviceLoader(split, train, collate, "cpu")))
+    evaluation = data.EvalBatchSampler(split, 16, rank=1, world_size=2, sort_by_length=True)
+    assert_same_batches(loader_batches(split, evaluation, collate),
+                        list(DeviceLoader(split, evaluation, collate, "cpu")))
+
+
+def test_evaluation_batches_all_have_one_shape_and_count_each_review_once():
+    split = made_up_split(n=37)
+    for world_size in (1, 2):
+        seen = []
+        for rank in range(world_size):
+            batches = list(data.EvalBatchSampler(split, 8, rank, world_size))
+            assert {len(b) for b in batches} == {8}  # the last batch is filled: one shape to compile
+            seen += [i for b in batches for i, w in b if w > 0]
+        assert sorted(seen) == list(range(37))  # every review exactly once, fillers weigh 0
+
+
+def test_host_read_detector_catches_item_and_bool():
+    with HostReads() as reads:
+        t = torch.ones(3)
+        t.sum().item()
+        bool(t.sum() > 0)
+        torch.repeat_interleave(torch.arange(2), torch.tensor([1, 2]))  # output size read from the data
+        torch.repeat_interleave(torch.arange(2), torch.tensor([1, 2]), output_size=3)  # known: no read
+    assert reads.seen == ["_local_scalar_dense", "_local_scalar_dense", "repeat_interleave"]
+
+
+def test_log_schedule_draws_short_runs_too():
+    assert [s for s in range(1, 130) if bookkeeping.is_log_step(s, 50)] == [1, 2, 4, 8, 16, 32, 50, 100]
+
+
+def test_results_report_compile_time_val_time_and_rates(tiny_args, tmp_path):
+    out = tmp_path / "short"
+    assert main(tiny_args("--max-steps", "2", "--epochs", "1", out=out)) == 0
+    short = json.loads((out / "results.json").read_text())
+    assert short["samples_per_s"] is None and "warm-up" in short["samples_per_s_note"]
+    assert short["compile_time_s"] is None and short["compiled_graphs"] is None
+    assert short["train_examples"] == 112 and short["val_examples"] == 16 and short["test_examples"] == 32
+    assert 0 < short["val_time_s"] < short["train_time_s"]
+    assert short["train_time_no_compile_s"] == short["train_time_s"]
