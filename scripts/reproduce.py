@@ -7,7 +7,7 @@
 Each configuration is a real `train.py` run in its own process (under torchrun where it needs
 several), in the articles' order: plain fp32, + best checkpoint, + mixed precision,
 + torch.compile, + DDP, + DeepSpeed ZeRO-2, + FSDP, then fastpt's additions (length bucketing,
-bf16, fused Adam, and everything together). Each run's results.json is collected into one
+bf16, fused Adam, padding-free packing, the single-device fast path, and everything together). Each run's results.json is collected into one
 Markdown table beside the articles' reported times and accuracies, with speed-ups over each
 side's own baseline, since only ratios compare across hardware; and a PNG chart.
 
@@ -40,7 +40,7 @@ ARTICLE_BASELINE_MIN = 22.63
 class Rung:
     key: str
     label: str
-    flags: tuple  # train.py flags; "{amp}" expands to the preset's mixed-precision flags
+    flags: tuple  # train.py flags; "{amp}" / "{fast}" expand to the preset's mixed-precision / fast-path flags
     multi_process: bool = False
     article_min: Optional[float] = None
     article_acc: Optional[float] = None
@@ -58,6 +58,10 @@ LADDER = (
     Rung("bucket", "fastpt: + length bucketing", ("{amp}", "--bucket")),
     Rung("bf16", "fastpt: + bf16", ("--amp", "--amp-dtype", "bfloat16", "--bucket")),
     Rung("fused-adam", "fastpt: + fused Adam", ("--amp", "--amp-dtype", "bfloat16", "--bucket", "--fused-adam")),
+    Rung("pack", "fastpt: + packing instead of bucketing",
+         ("--amp", "--amp-dtype", "bfloat16", "--pack", "--fused-adam")),
+    Rung("fast", "fastpt: single-device fast path",
+         ("--amp", "--amp-dtype", "bfloat16", "--pack", "--fused-adam", "--compile", "--data-on-device", "{fast}")),
     Rung("all", "fastpt: all together, multi-process",
          ("--amp", "--amp-dtype", "bfloat16", "--bucket", "--fused-adam", "--compile", "--ddp"), True),
 )
@@ -68,13 +72,14 @@ class Preset:
     description: str
     flags: tuple  # workload flags passed to every train.py run
     amp: tuple  # what "+ mixed precision" means on this hardware
+    fast: tuple = ()  # the fast path's hardware-specific flags (CUDA graphs need a GPU)
     skip: dict = field(default_factory=dict)  # rung key -> why it is left out
 
 
 PRESETS = {
     "article": Preset("the articles' run: distilbert-base-uncased, 512 tokens, batch 12, 3 epochs, full split",
                       ("--model", "distilbert-base-uncased", "--max-length", "512", "--epochs", "3"),
-                      ("--amp",)),
+                      ("--amp",), ("--compile-mode", "reduce-overhead", "--pack-multiple", "256")),
     "cpu": Preset("pretrained MiniLM-L6 on the first 480/160/320 reviews of the split, 128 tokens, batch 12, "
                   "2 epochs; bfloat16 autocast for mixed precision (float16 on a CPU is emulated and slow)",
                   ("--model", "minilm", "--max-length", "128", "--epochs", "2", "--train-size", "480",
@@ -103,7 +108,7 @@ class Run:
 def expand(rung: Rung, preset: Preset) -> list:
     flags = []
     for flag in rung.flags:
-        flags.extend(preset.amp if flag == "{amp}" else [flag])
+        flags.extend(preset.amp if flag == "{amp}" else preset.fast if flag == "{fast}" else [flag])
     return flags
 
 

@@ -60,6 +60,10 @@ def test_plan_launches_multi_process_rows_with_torchrun_and_drops_duplicates(tmp
     assert runs["bf16"].status.startswith("left out") and runs["bucket"].status == "not run"
     single = {r.rung.key: r for r in reproduce.plan("cpu", 1, [], tmp_path)}
     assert single["ddp"].status == "left out (--nproc 1)"
+    # CUDA graphs and the rounding that bounds their count are the GPU preset's alone.
+    article = {r.rung.key: r for r in reproduce.plan("article", 4, [], tmp_path)}
+    assert {"--pack", "--data-on-device", "reduce-overhead", "--pack-multiple"} <= set(article["fast"].command)
+    assert "--pack" in runs["fast"].command and "reduce-overhead" not in runs["fast"].command
 
 
 def _tail(path: Path) -> str:
