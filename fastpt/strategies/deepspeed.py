@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -63,12 +64,14 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict:
                                           "train_batch_size", "steps_per_print")}, **user}
 
 
-def check_supported(cfg: TrainConfig) -> None:
-    """Refuse, before any work, a precision DeepSpeed's accelerator has no kernels for.
+def check_supported(cfg: TrainConfig, device: torch.device) -> None:
+    """Point DeepSpeed at the run's device, and refuse before any work a precision it has no kernels for.
 
-    DeepSpeed's CPU accelerator has bfloat16 but no float16: without this check the engine fails
-    inside deepspeed.initialize, on every rank, after the run folder exists.
+    DeepSpeed guesses its accelerator (and warns when it settles for the CPU); naming it keeps the
+    guess from disagreeing with --device. Its CPU accelerator has bfloat16 but no float16: without
+    this check the engine fails inside deepspeed.initialize, on every rank, after the run folder exists.
     """
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if not cfg.amp:
         return
     from deepspeed.accelerator import get_accelerator
