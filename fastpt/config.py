@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -160,10 +161,14 @@ def _choice(flag: str, value, allowed) -> None:
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors are one line on stderr and exit code 2 (no usage dump)."""
+    """argparse, but errors are one line on stderr and exit code 2 (no usage dump).
+
+    Under torchrun every rank parses the same command line; only rank 0 prints the line.
+    """
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        sys.stderr.write(f"error: {message}\n")
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
 
 

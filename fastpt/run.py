@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse: --help (0), or an unknown flag (2, its line already printed)
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     except ValueError as e:
-        return _bad_input(e)
+        return _bad_input(e, is_main=os.environ.get("RANK", "0") == "0")  # before the group: torchrun's rank
     from fastpt import distributed
 
     quiet_libraries(cfg.verbose)
