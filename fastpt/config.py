@@ -212,14 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=d.seed, help="weights, dropout and shuffling")
     g.add_argument("--max-steps", type=int, default=None, help="stop after N optimiser steps (benchmarks)")
     g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="batches per optimiser step")
-    g.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this norm (default: no clipping)")
+    g.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip gradients to this norm (default: no clipping)")
 
     g = p.add_argument_group("early stopping and checkpoints")
     g.add_argument("--early-stopping-patience", type=int, default=None, help="validation checks without improvement")
     g.add_argument("--min-delta", type=float, default=d.min_delta, help="smallest change that counts as an improvement")
     g.add_argument("--monitor", default=d.monitor, choices=("val_acc", "val_loss"),
                    help="validation metric for best.pt and early stopping")
-    g.add_argument("--test-on", default=d.test_on, choices=("best", "last"), help="weights the test split is scored with")
+    g.add_argument("--test-on", default=d.test_on, choices=("best", "last"),
+                   help="weights the test split is scored with")
 
     g = p.add_argument_group("data loading")
     g.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: from CPU count)")
@@ -236,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("single-device speed-ups")
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="auto: CUDA when available")
     g.add_argument("--amp", action="store_true", help="automatic mixed precision")
-    g.add_argument("--amp-dtype", default=None, choices=("float16", "bfloat16"), help=f"with --amp (default: {d.amp_dtype})")
+    g.add_argument("--amp-dtype", default=None, choices=("float16", "bfloat16"),
+                   help=f"with --amp (default: {d.amp_dtype})")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--compile-mode", default=None, choices=("default", "max-autotune", "reduce-overhead"),
                    help=f"with --compile (default: {d.compile_mode})")
@@ -254,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO")
     g.add_argument("--fsdp-reshard-after-forward", dest="fsdp_reshard_after_forward",
                    action=argparse.BooleanOptionalAction, default=None, help="with --fsdp (default: on)")
-    g.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3), help=f"with --deepspeed (default: {d.zero_stage})")
+    g.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3),
+                   help=f"with --deepspeed (default: {d.zero_stage})")
     g.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config to use instead of fastpt's")
 
     g = p.add_argument_group("outputs and reliability")
@@ -265,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None, help="'auto' or a path to last.pt")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bars")
     g.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no tb/ event files")
-    g.add_argument("--verbose", action="store_true", help="also show the libraries' own messages (Hugging Face, DeepSpeed)")
+    g.add_argument("--verbose", action="store_true",
+                   help="also show the libraries' own messages (Hugging Face, DeepSpeed)")
     return p
 
 

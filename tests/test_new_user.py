@@ -113,7 +113,7 @@ def no_network(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(socket, "create_connection", unreachable)
     monkeypatch.setattr(socket.socket, "connect", unreachable)
-    forget = getattr(models.hub_offline, "cache_clear", lambda: None) if hasattr(models, "hub_offline") else lambda: None
+    forget = getattr(getattr(models, "hub_offline", None), "cache_clear", lambda: None)
     forget()  # an earlier test may have found the Hub (un)reachable
     yield
     forget()

@@ -445,7 +445,7 @@ def test_the_cache_is_keyed_by_content_and_serves_every_length(imdb_dir, tmp_pat
             assert split["train"][i][0].tolist() == direct  # cut on load == tokenised at that length
 
 
-# ---------------------------------------------------------------------------- DeepSpeed without torchrun, torchrun's output
+# ---------------------------------------------------------------------------- DeepSpeed alone, torchrun's output
 
 def test_deepspeed_runs_as_a_one_rank_job_without_torchrun(imdb_dir, cache_dir, tmp_path, monkeypatch):
     import importlib
