@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -90,6 +92,7 @@ class TrainConfig:
     resume: Optional[str] = None
     progress: bool = True
     tensorboard: bool = True
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         positive = ["max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier",
@@ -103,6 +106,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{_flag(name)} must be positive, got {value}")
+        # float("nan") and float("inf") parse as floats; none of these settings means anything with them.
+        for name in ("lr", "min_delta", "max_grad_norm"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"--{_flag(name)} must be a finite number, got {value}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.max_length > 512:
@@ -135,6 +143,8 @@ class TrainConfig:
             raise ValueError("--pack brings its own attention kernel; drop --attn-implementation")
         if self.pack_multiple is not None and not self.pack:
             raise ValueError("--pack-multiple needs --pack")
+        if self.data_on_device and (self.num_workers or self.pin_memory):
+            raise ValueError("--data-on-device gathers batches on the device: drop --num-workers / --pin-memory")
         if self.early_stopping_patience is None and self.min_delta != 0.0:
             raise ValueError("--min-delta needs --early-stopping-patience")
 
@@ -169,19 +179,36 @@ def _choice(flag: str, value, allowed) -> None:
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors are one line on stderr and exit code 2 (no usage dump)."""
+    """argparse, but errors are one line on stderr and exit code 2 (no usage dump).
+
+    Under torchrun every rank parses the same command line; only rank 0 prints the line.
+    """
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        sys.stderr.write(f"error: {message}\n")
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Shows each flag's default once: appended unless the help already says it.
+
+    On/off switches (store_true / store_false) show none: the flag's name says what it turns on or off.
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if switch or "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = _OneLineParser(
-        prog="train.py",
         description="Fine-tune DistilBERT on IMDB in plain PyTorch, with every speed-up behind a flag.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=d.model,
@@ -191,31 +218,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder with aclImdb_v1.tar.gz, the labelled tarball or an extracted aclImdb/ "
                         "(default: $FASTPT_DATA_DIR, else ./data, downloading if missing)")
     g.add_argument("--cache-dir", default=None, help="tokenised-split cache (default: $FASTPT_CACHE_DIR or ~/.cache/fastpt)")
-    g.add_argument("--max-length", type=int, default=d.max_length)
+    g.add_argument("--max-length", type=int, default=d.max_length, help="tokens per review, truncated")
     g.add_argument("--train-size", type=int, default=None, help="use the first N training reviews")
     g.add_argument("--val-size", type=int, default=None, help="use the first N validation reviews")
     g.add_argument("--test-size", type=int, default=None, help="use the first N test reviews")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
-    g.add_argument("--epochs", type=int, default=d.epochs)
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")
+    g.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
+    g.add_argument("--seed", type=int, default=d.seed, help="weights, dropout and shuffling")
     g.add_argument("--max-steps", type=int, default=None, help="stop after N optimiser steps (benchmarks)")
-    g.add_argument("--grad-accum", type=int, default=d.grad_accum)
-    g.add_argument("--max-grad-norm", type=float, default=None)
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="batches per optimiser step")
+    g.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip gradients to this norm (default: no clipping)")
 
     g = p.add_argument_group("early stopping and checkpoints")
     g.add_argument("--early-stopping-patience", type=int, default=None, help="validation checks without improvement")
-    g.add_argument("--min-delta", type=float, default=d.min_delta)
-    g.add_argument("--monitor", default=d.monitor, choices=("val_acc", "val_loss"))
-    g.add_argument("--test-on", default=d.test_on, choices=("best", "last"))
+    g.add_argument("--min-delta", type=float, default=d.min_delta, help="smallest change that counts as an improvement")
+    g.add_argument("--monitor", default=d.monitor, choices=("val_acc", "val_loss"),
+                   help="validation metric for best.pt and early stopping")
+    g.add_argument("--test-on", default=d.test_on, choices=("best", "last"),
+                   help="weights the test split is scored with")
 
     g = p.add_argument_group("data loading")
     g.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: from CPU count)")
-    g.add_argument("--pin-memory", dest="pin_memory", action="store_true", default=None)
-    g.add_argument("--no-pin-memory", dest="pin_memory", action="store_false")
-    g.add_argument("--pad-to", default=d.pad_to, choices=("max_length", "longest"))
+    g.add_argument("--pin-memory", dest="pin_memory", action="store_true", default=None,
+                   help="page-locked batches (default: on with CUDA)")
+    g.add_argument("--no-pin-memory", dest="pin_memory", action="store_false", help="pageable batches")
+    g.add_argument("--pad-to", default=d.pad_to, choices=("max_length", "longest"),
+                   help="pad each batch to --max-length or to its longest review (--bucket implies longest)")
     g.add_argument("--bucket", action="store_true", help="length-grouped batches with dynamic padding")
     g.add_argument("--pack", action="store_true",
                    help="padding-free batches: the batch's reviews end to end as one token stream")
@@ -226,29 +258,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,
                    help="batch size for validation and test (no gradients: larger batches fit)")
     g.add_argument("--bucket-multiplier", type=int, default=None,
-                   help=f"mega-batch size in batches for --bucket (default {d.bucket_multiplier}); smaller mixes "
+                   help=f"mega-batch size in batches for --bucket (default: {d.bucket_multiplier}); smaller mixes "
                         "lengths more within a batch and pads more")
 
     g = p.add_argument_group("single-device speed-ups")
-    g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="auto: CUDA when available")
     g.add_argument("--amp", action="store_true", help="automatic mixed precision")
-    g.add_argument("--amp-dtype", default=None, choices=("float16", "bfloat16"), help=f"with --amp (default {d.amp_dtype})")
+    g.add_argument("--amp-dtype", default=None, choices=("float16", "bfloat16"),
+                   help=f"with --amp (default: {d.amp_dtype})")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--compile-mode", default=None, choices=("default", "max-autotune", "reduce-overhead"),
-                   help=f"with --compile (default {d.compile_mode})")
-    g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None)
-    g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false")
+                   help=f"with --compile (default: {d.compile_mode})")
+    g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None,
+                   help="one fused Adam kernel (default: on with CUDA)")
+    g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="per-tensor Adam")
     g.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA")
-    g.add_argument("--attn-implementation", default=d.attn_implementation, choices=("sdpa", "eager"))
-    g.add_argument("--deterministic", action="store_true")
+    g.add_argument("--attn-implementation", default=d.attn_implementation, choices=("sdpa", "eager"),
+                   help="scaled_dot_product_attention or the eager matmuls")
+    g.add_argument("--deterministic", action="store_true", help="bitwise-repeatable kernels (slower)")
 
     g = p.add_argument_group("multi-process strategies (launch with torchrun)")
     g.add_argument("--ddp", action="store_true", help="DistributedDataParallel")
     g.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard")
     g.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO")
     g.add_argument("--fsdp-reshard-after-forward", dest="fsdp_reshard_after_forward",
-                   action=argparse.BooleanOptionalAction, default=None, help="with --fsdp (default on)")
-    g.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3), help=f"with --deepspeed (default {d.zero_stage})")
+                   action=argparse.BooleanOptionalAction, default=None, help="with --fsdp (default: on)")
+    g.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3),
+                   help=f"with --deepspeed (default: {d.zero_stage})")
     g.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config to use instead of fastpt's")
 
     g = p.add_argument_group("outputs and reliability")
@@ -258,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=None, help="write checkpoints/last.pt every N optimiser steps")
     g.add_argument("--resume", default=None, help="'auto' or a path to last.pt")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bars")
-    g.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    g.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no tb/ event files")
+    g.add_argument("--verbose", action="store_true",
+                   help="also show the libraries' own messages (Hugging Face, DeepSpeed)")
     return p
 
 

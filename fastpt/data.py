@@ -1,8 +1,9 @@
 """Tokenised IMDB splits, cached on disk, and the DataLoaders that feed the training loop.
 
-Tokenising 50,000 reviews takes about half a minute; it is done once per (data, tokenizer,
-max length) and cached with the `datasets` library (Arrow files, memory-mapped on load), so a
-second run starts in about a second. Tokenisation never happens inside the training loop.
+Tokenising 50,000 reviews takes about half a minute; it is done once per (data content,
+tokenizer), at 512 tokens, and cached with the `datasets` library (Arrow files, memory-mapped
+on load), so a second run starts in about a second; a shorter --max-length cuts the cached
+sequences on load. Tokenisation never happens inside the training loop.
 
 Fast loading, as the second article recommends (it replaces Lightning's DataLoader defaults):
 - `num_workers` worker processes build batches in parallel with the model's step;
@@ -19,6 +20,7 @@ weight 0, so sums over ranks count each example exactly once.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -35,7 +37,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from fastpt import imdb
 from fastpt.bucketing import group_by_length
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+CACHE_MAX_LENGTH = 512  # the longest --max-length: one cache serves every shorter one
+FINGERPRINT_BYTES = 4 << 20
 SPLITS = ("train", "validation", "test")
 
 
@@ -171,15 +175,22 @@ class EvalBatchSampler(Sampler):
 # --------------------------------------------------------------------------- cache
 
 def _source_fingerprint(source: Path) -> str:
-    """Cheap identity of the data source: size and mtime of the tarball or of every review file."""
-    h = hashlib.sha256(str(source.resolve()).encode())
+    """Identity of the data by content, not path: the same tarball or folder anywhere shares one cache.
+
+    A tarball: its size and the SHA-256 of its first 4 MiB (gzip headers and the first thousands
+    of reviews; a different or truncated file differs there or in size). A folder: every review's
+    name and size.
+    """
+    h = hashlib.sha256()
     if source.is_file():
-        st = source.stat()
-        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(f"file:{source.stat().st_size}:".encode())
+        with open(source, "rb") as f:
+            h.update(f.read(FINGERPRINT_BYTES))
     else:
         for folder in imdb.FOLDERS:
-            st = (source / folder).stat()
-            h.update(f"{folder}:{st.st_mtime_ns}:{len(os.listdir(source / folder))}".encode())
+            d = source / folder
+            for name in sorted(os.listdir(d)) if d.is_dir() else []:
+                h.update(f"{folder}/{name}:{(d / name).stat().st_size}\n".encode())
     return h.hexdigest()
 
 
@@ -188,12 +199,13 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(f"{type(tokenizer).__name__}:{tokenizer.do_lower_case if hasattr(tokenizer, 'do_lower_case') else ''}:{vocab}".encode()).hexdigest()
 
 
-def cache_key(source: Path, tokenizer, max_length: int) -> str:
+def cache_key(source: Path, tokenizer) -> str:
+    """One cache per (data, tokenizer): built at CACHE_MAX_LENGTH, cut to any shorter --max-length on load."""
     parts = {
         "version": CACHE_VERSION,
         "source": _source_fingerprint(source),
         "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "max_length": max_length,
+        "max_length": CACHE_MAX_LENGTH,
         "split": imdb.SPLIT_FRACTIONS,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
@@ -203,8 +215,13 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("FASTPT_CACHE_DIR") or Path.home() / ".cache" / "fastpt")
 
 
-def build_cache(source: Path, tokenizer, max_length: int, target: Path) -> None:
-    """Read, split and tokenise all reviews; save the three splits atomically under target."""
+def build_cache(source: Path, tokenizer, target: Path) -> None:
+    """Read, split and tokenise all reviews at CACHE_MAX_LENGTH; publish the splits under target atomically.
+
+    The splits are written to a temporary folder and renamed into place, so a reader never sees
+    a half-written cache. If another process published the same cache first (same key, same
+    content), its copy is kept and this one dropped.
+    """
     import datasets
 
     reviews = imdb.read_reviews(source)
@@ -219,17 +236,31 @@ def build_cache(source: Path, tokenizer, max_length: int, target: Path) -> None:
                 "label": reviews.labels[idx].tolist(),
             })
             splits[name] = table.map(
-                lambda batch: tokenizer(batch["text"], truncation=True, max_length=max_length),
+                lambda batch: tokenizer(batch["text"], truncation=True, max_length=CACHE_MAX_LENGTH),
                 batched=True, batch_size=1000, remove_columns=["text"], desc=f"tokenising {name}",
                 load_from_cache_file=False, keep_in_memory=True,
             ).select_columns(["key", "input_ids", "label"])
         datasets.DatasetDict(splits).save_to_disk(str(tmp))
-        os.replace(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):  # not another build's finished copy: a real failure
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_cache(path: Path) -> dict[str, TokenizedSplit]:
+def _is_complete(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file()
+
+
+def load_cache(path: Path, max_length: int, keep_last: bool = True) -> dict[str, TokenizedSplit]:
+    """The cached splits, each sequence cut to max_length tokens.
+
+    With keep_last (tokenizers that end a sequence with a special token, BERT's [SEP]) a cut
+    sequence keeps its first max_length - 1 tokens and then its last: exactly what tokenising
+    with truncation at max_length gives.
+    """
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
@@ -239,8 +270,30 @@ def load_cache(path: Path) -> dict[str, TokenizedSplit]:
         ids = column.values.to_numpy().astype(np.int32)
         offsets = column.offsets.to_numpy().astype(np.int64)
         labels = np.asarray(loaded[name]["label"], dtype=np.int64)
-        out[name] = TokenizedSplit(ids, offsets - offsets[0], labels)
+        ids, offsets = truncate(ids, offsets - offsets[0], max_length, keep_last)
+        out[name] = TokenizedSplit(ids, offsets, labels)
     return out
+
+
+def truncate(ids: np.ndarray, offsets: np.ndarray, max_length: int, keep_last: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Flat token ids + offsets with every sequence cut to max_length (see load_cache)."""
+    lengths = np.diff(offsets)
+    if lengths.size == 0 or lengths.max() <= max_length:
+        return ids, offsets
+    kept = np.minimum(lengths, max_length)
+    new_offsets = np.concatenate([[0], np.cumsum(kept)])
+    # Position in the old array of every kept token: its sequence's old start + its place in it.
+    source = np.arange(new_offsets[-1]) - np.repeat(new_offsets[:-1] - offsets[:-1], kept)
+    if keep_last:
+        cut = lengths > max_length
+        source[new_offsets[1:][cut] - 1] = offsets[1:][cut] - 1
+    return ids[source], new_offsets
+
+
+def ends_with_special_token(tokenizer) -> bool:
+    """Whether the tokenizer closes every sequence with a special token ([SEP], </s>)."""
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[-1] in set(tokenizer.all_special_ids)
 
 
 def split_keys(path: Path) -> dict[str, list[str]]:
@@ -253,28 +306,43 @@ def split_keys(path: Path) -> dict[str, list[str]]:
 
 def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer, max_length: int,
                    is_main: bool = True, share=lambda obj: obj) -> tuple[dict[str, TokenizedSplit], Path]:
-    """Tokenised train/validation/test splits.
+    """Tokenised train/validation/test splits, cut to max_length.
 
     The main process finds the data and builds the cache; `share` (a broadcast from rank 0
     under torchrun) hands the others its cache path, or its error, so that every rank fails
-    with the same one-line message instead of waiting on a rank that has stopped.
+    with the same one-line message instead of waiting on a rank that has stopped. Separate
+    runs building the same cache at once take turns on a lock file: one tokenises, the others
+    wait for it and then read its finished cache.
     """
     outcome = None
     if is_main:
         try:
             source = imdb.find_source(data_dir)
             root = Path(cache_dir) if cache_dir else default_cache_dir()
-            root.mkdir(parents=True, exist_ok=True)
-            path = root / f"imdb-{cache_key(source, tokenizer, max_length)}"
-            if not (path / "dataset_dict.json").exists():
-                build_cache(source, tokenizer, max_length, path)
+            path = root / f"imdb-{cache_key(source, tokenizer)}"
+            if not _is_complete(path):
+                _build_once(source, tokenizer, path)
             outcome = ("ok", str(path))
         except imdb.DataError as e:
             outcome = ("error", str(e))
     status, value = share(outcome)
     if status == "error":
         raise imdb.DataError(value)
-    return load_cache(Path(value)), Path(value)
+    return load_cache(Path(value), max_length, ends_with_special_token(tokenizer)), Path(value)
+
+
+def _build_once(source: Path, tokenizer, path: Path) -> None:
+    """build_cache under an exclusive lock on <path>.lock: concurrent runs build it once."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")
+    except OSError as e:
+        raise imdb.DataError(f"cannot write the token cache in {path.parent}: {e.strerror or e} "
+                             f"(choose another --cache-dir)") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, also if the process dies
+        if not _is_complete(path):  # another run may have built it while this one waited
+            build_cache(source, tokenizer, path)
 
 
 # --------------------------------------------------------------------------- loaders

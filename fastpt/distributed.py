@@ -3,7 +3,9 @@
 `torchrun --nproc_per_node=N train.py ...` starts N processes and sets RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each. `init()` reads them, picks the device
 (cuda:LOCAL_RANK, set before the group exists, or the CPU) and the backend (NCCL on CUDA,
-gloo on the CPU). Without torchrun it is the single-process case: rank 0 of 1, no group.
+gloo on the CPU). Without torchrun it is the single-process case: rank 0 of 1, no group; a
+strategy that needs a group gets a one-rank one, with the variables torchrun would have set
+(DeepSpeed reads LOCAL_RANK itself), removed again by `shutdown()`.
 
 Multi-node is the same code: `torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d
 --rdzv-endpoint=HOST:29500 train.py --ddp`.
@@ -12,6 +14,7 @@ Multi-node is the same code: `torchrun --nnodes=2 --nproc_per_node=4 --rdzv-back
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,13 +67,32 @@ def init(device: str = "auto", needs_group: bool = False) -> DistInfo:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10),
                                 **({"device_id": dev} if use_cuda else {}))
     elif needs_group and not dist.is_initialized():
+        _set_one_rank_environment()
         dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(rank, local_rank, world_size, dev)
+
+
+_ONE_RANK_VARIABLES: list[str] = []  # what _set_one_rank_environment added, for shutdown() to remove
+
+
+def _set_one_rank_environment() -> None:
+    """torchrun's variables for a job of one process, on a free port (nothing listens on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    wanted = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in wanted.items():
+        if name not in os.environ:
+            os.environ[name] = value
+            _ONE_RANK_VARIABLES.append(name)
 
 
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _ONE_RANK_VARIABLES:
+        os.environ.pop(_ONE_RANK_VARIABLES.pop(), None)
 
 
 def barrier() -> None:

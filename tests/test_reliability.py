@@ -9,14 +9,18 @@ fixed with FASTPT_FAULT_SEED=N to replay a failure).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -338,3 +342,155 @@ def test_nan_loss_stops_naming_step_and_keeps_good_checkpoints(imdb_dir, cache_d
     assert best["step"] == 6 and all(torch.isfinite(v).all() for v in best["model"].values()
                                      if v.is_floating_point())
     assert not (out / "results.json").exists()
+
+
+# ---------------------------------------------------------------------------- finished runs, shared folders and caches
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def test_resume_auto_on_a_finished_run_changes_nothing(reference, imdb_dir, cache_dir, tmp_path, capfd):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = snapshot(out)
+    capfd.readouterr()
+    assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0
+    captured = capfd.readouterr()
+    lines = (captured.out + captured.err).strip().splitlines()
+    assert len(lines) == 1 and "is finished" in lines[0], lines
+    assert snapshot(out) == before  # no test rerun, no results.json, config.json or events rewritten
+
+
+def test_a_stale_lock_of_a_dead_run_does_not_block(imdb_dir, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("999999\n")  # left by a killed run: the file stays, its flock died with it
+    assert main(flags(imdb_dir, cache_dir, out, "--epochs", "1", "--no-tensorboard")) == 0
+    assert (out / "results.json").exists() and not (out / ".lock").exists()
+
+
+def _train_py(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], env=env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_runs_started_at_once_into_one_folder_one_wins(imdb_dir, cache_dir, tmp_path):
+    out = tmp_path / "shared"
+    args = ["--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--max-length", "32",
+            "--batch-size", "8", "--train-size", "48", "--epochs", "1", "--no-progress", "--no-tensorboard",
+            "--out", str(out)]
+    runs = [_train_py(*args) for _ in range(2)]
+    (code_a, _, err_a), (code_b, _, err_b) = [(p.wait(timeout=240), p.stdout.read(), p.stderr.read()) for p in runs]
+    assert sorted([code_a, code_b]) == [0, EXIT_BAD_INPUT], (err_a[-2000:], err_b[-2000:])
+    loser = (err_a if code_a else err_b).strip().splitlines()
+    # Refused while the winner runs, or (if the winner was quicker than the loser's start) as a finished run.
+    assert len(loser) == 1 and ("in use by another run" in loser[0] or "holds a finished run" in loser[0]), loser
+    results = json.loads((out / "results.json").read_text())
+    assert results["global_steps"] == 6 and not (out / ".lock").exists()
+
+
+def test_concurrent_cache_builds_both_succeed(imdb_dir, tmp_path):
+    """Two builds of one missing cache at once (threads here, processes in use: the same lock file)."""
+    import threading
+
+    from fastpt import data
+    from fastpt.models import load_tokenizer
+
+    tokenizer, cache, outcomes = load_tokenizer("tiny"), tmp_path / "cache", []
+
+    def build():
+        try:
+            outcomes.append(data.prepare_splits(str(imdb_dir), str(cache), tokenizer, 32))
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(isinstance(o, tuple) for o in outcomes) and len(outcomes) == 2, outcomes
+    (first, path), (second, same) = outcomes
+    assert path == same and np.array_equal(first["train"].ids, second["train"].ids)
+    assert sorted(p.name for p in cache.iterdir()) == [path.name, path.name + ".lock"]  # no temporary folder left
+
+
+def test_a_cache_build_that_loses_the_race_uses_the_winners_copy(imdb_dir, tmp_path):
+    from fastpt import data, imdb
+    from fastpt.models import load_tokenizer
+
+    tokenizer, source = load_tokenizer("tiny"), imdb.find_source(str(imdb_dir))
+    target = tmp_path / f"imdb-{data.cache_key(source, tokenizer)}"
+    data.build_cache(source, tokenizer, target)  # the winner published first...
+    winner = data.load_cache(target, 64)
+    data.build_cache(source, tokenizer, target)  # ...the loser, having passed the same check, finishes second
+    assert np.array_equal(data.load_cache(target, 64)["train"].ids, winner["train"].ids)
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+
+
+def test_the_cache_is_keyed_by_content_and_serves_every_length(imdb_dir, tmp_path):
+    from fastpt import data, imdb
+    from fastpt.models import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny")
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.copy(imdb_dir / "aclImdb_v1.tar.gz", moved / "aclImdb_v1.tar.gz")
+    long, path = data.prepare_splits(str(imdb_dir), str(tmp_path / "cache"), tokenizer, 64)
+    short, same_path = data.prepare_splits(str(moved), str(tmp_path / "cache"), tokenizer, 12)
+    assert same_path == path  # another path, same bytes: no second tokenisation, one cache for both lengths
+    reviews = imdb.read_reviews(imdb.find_source(str(imdb_dir)))
+    keys = data.split_keys(path)["train"]
+    for i in range(len(keys)):
+        text = reviews.texts[reviews.keys.index(keys[i])].replace("<br />", " ")
+        for split, length in ((short, 12), (long, 64)):
+            direct = tokenizer(text, truncation=True, max_length=length)["input_ids"]
+            assert split["train"][i][0].tolist() == direct  # cut on load == tokenised at that length
+
+
+# ---------------------------------------------------------------------------- DeepSpeed alone, torchrun's output
+
+def test_deepspeed_runs_as_a_one_rank_job_without_torchrun(imdb_dir, cache_dir, tmp_path, monkeypatch):
+    import importlib
+
+    # As tests/dist/run_many.py: gloo alone, without JIT-compiling DeepSpeed's shared-memory op.
+    monkeypatch.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
+    out = tmp_path / "run"
+    assert main(flags(imdb_dir, cache_dir, out, "--deepspeed", "--amp", "--amp-dtype", "bfloat16",
+                      "--epochs", "1", "--no-tensorboard")) == 0
+    assert json.loads((out / "results.json").read_text())["strategy"] == "deepspeed"
+    assert not any(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"))
+
+
+def test_bad_input_under_torchrun_is_one_line_and_a_plain_exit(imdb_dir, cache_dir, tmp_path):
+    """Both ranks refuse --deepspeed --amp (float16) on the CPU: rank 0 prints one line, no rank a traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           str(ROOT / "train.py"), *flags(imdb_dir, cache_dir, out, "--deepspeed", "--amp")],
+                          env=env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --deepspeed --amp: DeepSpeed has no float16 on this device (cpu); "
+                      "use --amp-dtype bfloat16 or drop --amp"], proc.stderr[-3000:]
+    assert not re.search(r'File "[^"]*(fastpt/|train\.py)', proc.stderr), proc.stderr[-3000:]  # no rank's traceback
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # a plain status 2 (torchrun then stops the other)
+    assert not out.exists()
+
+
+def test_stop_message_is_on_a_line_of_its_own(imdb_dir, cache_dir, tmp_path, monkeypatch, capfd):
+    from fastpt.strategies.base import Strategy
+
+    original, calls = Strategy.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self)
+
+    monkeypatch.setattr(Strategy, "step", step)
+    args = [a for a in flags(imdb_dir, cache_dir, tmp_path / "run", "--no-tensorboard") if a != "--no-progress"]
+    assert main(args) == EXIT_STOPPED
+    lines = capfd.readouterr().err.splitlines()  # splits at the bar's carriage returns too
+    assert any(line.startswith("stopped: SIGINT at step 2") for line in lines), lines[-3:]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -63,6 +64,27 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict:
                                           "train_batch_size", "steps_per_print")}, **user}
 
 
+def check_supported(cfg: TrainConfig, device: torch.device) -> None:
+    """Point DeepSpeed at the run's device, and refuse before any work a precision it has no kernels for.
+
+    DeepSpeed guesses its accelerator (and warns when it settles for the CPU); naming it keeps the
+    guess from disagreeing with --device. Its CPU accelerator has bfloat16 but no float16: without
+    this check the engine fails inside deepspeed.initialize, on every rank, after the run folder exists.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    if not cfg.amp:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = (accelerator.is_fp16_supported() if cfg.amp_dtype == "float16"
+                 else accelerator.is_bf16_supported())
+    if not supported:
+        other = "bfloat16" if cfg.amp_dtype == "float16" else "float16"
+        raise ValueError(f"--deepspeed --amp: DeepSpeed has no {cfg.amp_dtype} on this device "
+                         f"({accelerator.device_name()}); use --amp-dtype {other} or drop --amp")
+
+
 def _check_user_config(user: dict, generated: dict) -> None:
     """Refuse a JSON that contradicts the flags: the data loader, the loop and the NaN check use them."""
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
@@ -83,7 +105,7 @@ class DeepSpeedStrategy(Strategy):
         """Build the engine: it moves the model to the device, casts it (--amp) and wraps the optimiser."""
         import deepspeed
 
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        logging.getLogger("DeepSpeed").setLevel(logging.INFO if self.cfg.verbose else logging.ERROR)
         self.ds_config = deepspeed_config(self.cfg, self.dist.world_size)
         # Our Adam, unless the user's JSON names DeepSpeed's own optimiser.
         client_optimizer = None if "optimizer" in self.ds_config else self.build_optimizer(model)
