@@ -21,18 +21,29 @@ from pathlib import Path
 
 import torch
 
+from fastpt.errors import one_line
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be read or does not fit this run."""
 
 
 def save_atomic(obj, path: Path) -> None:
+    write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def write_atomic(path: Path, write) -> None:
+    """`write(f)` into a temporary file beside `path`, flushed and fsynced, then renamed over it.
+
+    Every file a run leaves (checkpoints, config.json, results.json) is written this way: a
+    crash mid-write leaves the previous file intact, never a half-written one.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -67,15 +78,10 @@ def load(path: Path) -> dict:
             detail = f"it would import {culprit.group(1)}" if culprit else "not plain tensors and data"
             raise CheckpointError(f"refused to load {path}: {detail} "
                                   f"(only tensors and plain data are loaded)") from None
-        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(e)} "
+        raise CheckpointError(f"cannot read checkpoint {path}: {one_line(e, limit=200)} "
                               f"(corrupt or not a checkpoint?)") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(e)} (corrupt or incomplete?)") from None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else e.__class__.__name__
+        raise CheckpointError(f"cannot read checkpoint {path}: {one_line(e, limit=200)} (corrupt or incomplete?)") from None
 
 
 def to_bytes(obj) -> bytes:

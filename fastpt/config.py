@@ -22,6 +22,19 @@ from typing import Optional
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 
+# The allowed values of every setting with a fixed set: argparse's choices and the dataclass check.
+CHOICES = {
+    "monitor": ("val_acc", "val_loss"),
+    "test_on": ("best", "last"),
+    "pad_to": ("max_length", "longest"),
+    "device": ("auto", "cpu", "cuda"),
+    "amp_dtype": ("float16", "bfloat16"),
+    "compile_mode": ("default", "max-autotune", "reduce-overhead"),
+    "attn_implementation": ("sdpa", "eager"),
+    "strategy": ("single",) + STRATEGIES,
+    "zero_stage": (1, 2, 3),
+}
+
 # Settings that change what a checkpoint holds: resuming with any of them changed is refused.
 RESUME_SENSITIVE = (
     "model", "random_init", "max_length", "batch_size", "lr", "seed", "grad_accum",
@@ -121,15 +134,10 @@ class TrainConfig:
             raise ValueError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
         if self.num_workers is not None and self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
-        _choice("monitor", self.monitor, ("val_acc", "val_loss"))
-        _choice("test-on", self.test_on, ("best", "last"))
-        _choice("pad-to", self.pad_to, ("max_length", "longest"))
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("amp-dtype", self.amp_dtype, ("float16", "bfloat16"))
-        _choice("compile-mode", self.compile_mode, ("default", "max-autotune", "reduce-overhead"))
-        _choice("attn-implementation", self.attn_implementation, ("sdpa", "eager"))
-        _choice("strategy", self.strategy, ("single",) + STRATEGIES)
-        _choice("zero-stage", self.zero_stage, (1, 2, 3))
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{_flag(name)} must be one of {', '.join(map(str, allowed))}; "
+                                 f"got {getattr(self, name)!r}")
         if self.bucket and self.pad_to == "max_length":
             # Bucketing exists to pad each batch to its own longest sequence.
             self.pad_to = "longest"
@@ -163,19 +171,10 @@ class TrainConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
-    @classmethod
-    def from_dict(cls, values: dict) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
-
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
-
-def _choice(flag: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"--{flag} must be one of {', '.join(map(str, allowed))}; got {value!r}")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -236,9 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("early stopping and checkpoints")
     g.add_argument("--early-stopping-patience", type=int, default=None, help="validation checks without improvement")
     g.add_argument("--min-delta", type=float, default=d.min_delta, help="smallest change that counts as an improvement")
-    g.add_argument("--monitor", default=d.monitor, choices=("val_acc", "val_loss"),
+    g.add_argument("--monitor", default=d.monitor, choices=CHOICES["monitor"],
                    help="validation metric for best.pt and early stopping")
-    g.add_argument("--test-on", default=d.test_on, choices=("best", "last"),
+    g.add_argument("--test-on", default=d.test_on, choices=CHOICES["test_on"],
                    help="weights the test split is scored with")
 
     g = p.add_argument_group("data loading")
@@ -246,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pin-memory", dest="pin_memory", action="store_true", default=None,
                    help="page-locked batches (default: on with CUDA)")
     g.add_argument("--no-pin-memory", dest="pin_memory", action="store_false", help="pageable batches")
-    g.add_argument("--pad-to", default=d.pad_to, choices=("max_length", "longest"),
+    g.add_argument("--pad-to", default=d.pad_to, choices=CHOICES["pad_to"],
                    help="pad each batch to --max-length or to its longest review (--bucket implies longest)")
     g.add_argument("--bucket", action="store_true", help="length-grouped batches with dynamic padding")
     g.add_argument("--pack", action="store_true",
@@ -262,18 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "lengths more within a batch and pads more")
 
     g = p.add_argument_group("single-device speed-ups")
-    g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="auto: CUDA when available")
+    g.add_argument("--device", default=d.device, choices=CHOICES["device"], help="auto: CUDA when available")
     g.add_argument("--amp", action="store_true", help="automatic mixed precision")
-    g.add_argument("--amp-dtype", default=None, choices=("float16", "bfloat16"),
+    g.add_argument("--amp-dtype", default=None, choices=CHOICES["amp_dtype"],
                    help=f"with --amp (default: {d.amp_dtype})")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--compile-mode", default=None, choices=("default", "max-autotune", "reduce-overhead"),
+    g.add_argument("--compile-mode", default=None, choices=CHOICES["compile_mode"],
                    help=f"with --compile (default: {d.compile_mode})")
     g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None,
                    help="one fused Adam kernel (default: on with CUDA)")
     g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="per-tensor Adam")
     g.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA")
-    g.add_argument("--attn-implementation", default=d.attn_implementation, choices=("sdpa", "eager"),
+    g.add_argument("--attn-implementation", default=d.attn_implementation, choices=CHOICES["attn_implementation"],
                    help="scaled_dot_product_attention or the eager matmuls")
     g.add_argument("--deterministic", action="store_true", help="bitwise-repeatable kernels (slower)")
 
@@ -283,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO")
     g.add_argument("--fsdp-reshard-after-forward", dest="fsdp_reshard_after_forward",
                    action=argparse.BooleanOptionalAction, default=None, help="with --fsdp (default: on)")
-    g.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3),
+    g.add_argument("--zero-stage", type=int, default=None, choices=CHOICES["zero_stage"],
                    help=f"with --deepspeed (default: {d.zero_stage})")
     g.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config to use instead of fastpt's")
 

@@ -34,10 +34,6 @@ class DistInfo:
         return self.rank == 0
 
     @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
     def local_world_size(self) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 

@@ -32,6 +32,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer,
                           DistilBertConfig, PreTrainedModel)
 
+from fastpt.errors import one_line
+
 NUM_LABELS = 2
 ARTICLE_MODEL = "distilbert-base-uncased"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
@@ -91,7 +93,7 @@ def _cause(name: str, e: Exception) -> str:
     if _from_hub(name) and hub_offline():
         return f"offline (no connection to the Hugging Face Hub) and not in its local cache; {OFFLINE_ADVICE}"
     hint = f" ({OFFLINE_ADVICE})" if _from_hub(name) else ""
-    return f"{_first_line(e)}{hint}"
+    return f"{one_line(e, limit=200)}{hint}"
 
 
 def load_tokenizer(name: str):
@@ -149,7 +151,3 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     return total, total - embeddings
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__

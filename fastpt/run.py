@@ -1,4 +1,6 @@
-"""`train.py`'s body: parse, check, build, train, close, with clear exits.
+"""The command-line shell around the training: parse, check, claim the run folder, train, close,
+with clear exits. The training itself is `train.py:train` -> `Trainer.fit` (trainer.py) ->
+`step.train_epoch` -> `step.train_step`; nothing here is needed to follow it.
 
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
 stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT after writing
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastpt.config import RESUME_SENSITIVE, TrainConfig, parse_args
+from fastpt.errors import one_line
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -323,7 +326,10 @@ def quiet_libraries(verbose: bool) -> None:
 
 # ---------------------------------------------------------------------------- main
 
-def main(argv=None) -> int:
+def main(argv=None, train=None) -> int:
+    """The whole command: returns the exit status. `train(trainer)` runs the training itself
+    (default `trainer.fit()`; train.py passes its own, so a reader starts there)."""
+    train = train or (lambda trainer: trainer.fit())
     try:
         cfg = parse_args(argv)
         check_environment(cfg)
@@ -376,7 +382,7 @@ def main(argv=None) -> int:
                 print(line, file=sys.stderr)
         start_out_dir(plan, cfg, dist)
         try:
-            trainer.fit()
+            train(trainer)
         except StopRequested as e:
             if dist.is_main:
                 below_bar = "\n" if cfg.progress else ""  # a line of its own, not glued to the bar
@@ -385,7 +391,7 @@ def main(argv=None) -> int:
             return status
         except (NonFiniteLoss, CheckpointError) as e:
             if dist.is_main:
-                print(f"error: {_one_line(e)}", file=sys.stderr)
+                print(f"error: {one_line(e)}", file=sys.stderr)
             return status
         if dist.is_main:
             print(f"outputs: {plan.out}")
@@ -399,13 +405,8 @@ def main(argv=None) -> int:
 
 def _bad_input(e: Exception, is_main: bool = True) -> int:
     if is_main:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
     return EXIT_BAD_INPUT
-
-
-def _one_line(e: Exception) -> str:
-    """The message on one line: some (tarfile's, for one) span several."""
-    return " ".join(str(e).split()) or e.__class__.__name__
 
 
 def cli() -> None:

@@ -115,6 +115,7 @@ def _after_existing_event_files(folder: Path) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    tmp.replace(path)
+    from fastpt.checkpoint import write_atomic
+
+    text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode()))
