@@ -1,8 +1,8 @@
 """01_plain.py: the plain loop. Fine-tune a classifier on IMDB: train, validate each epoch, test.
 
-The article's first script in plain PyTorch, and the base every later script adds one
-technique to. It computes what `python train.py` computes with the same flags: the same
-initial weights, batches and dropout masks, so its losses equal train.py's step by step.
+The article's first script in plain PyTorch, the base every later script adds one technique to.
+It computes what `python train.py` computes with the same flags: the same initial weights,
+batches and dropout masks, so its losses equal train.py's step by step.
 
     python scripts/ladder/01_plain.py --model tiny --data-dir ../shared/data --max-length 128
 """
@@ -13,7 +13,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler
@@ -43,7 +42,7 @@ def collate(items, pad_id, max_length):
     input_ids = torch.full((len(items), max_length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, (tokens, _, _) in enumerate(items):
-        input_ids[row, :len(tokens)] = torch.from_numpy(tokens.astype(np.int64))
+        input_ids[row, :len(tokens)] = torch.from_numpy(tokens).long()
         attention_mask[row, :len(tokens)] = 1
     labels = torch.tensor([label for _, label, _ in items])
     weights = torch.tensor([weight for _, _, weight in items], dtype=torch.float64)
@@ -62,8 +61,7 @@ def evaluate(model, loader, device):
         correct = (logits.argmax(-1) == labels).double()
         sums += torch.stack([(losses * weights).sum(), (correct * weights).sum(), weights.sum()])
     model.train()
-    loss_sum, correct, n = sums.tolist()
-    return loss_sum / n, correct / n
+    return (sums[:2] / sums[2]).tolist()
 
 
 def main():
@@ -73,15 +71,14 @@ def main():
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.random_init)
     splits, _ = prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
-    train_set, val_set, test_set = (splits[name].head(size) for name, size in
-                                    (("train", args.train_size), ("validation", args.val_size), ("test", args.test_size)))
+    train_set, val_set, test_set = (splits[name].head(size) for name, size in (
+        ("train", args.train_size), ("validation", args.val_size), ("test", args.test_size)))
+    collate_fn = partial(collate, pad_id=tokenizer.pad_token_id or 0, max_length=args.max_length)
 
     def make_loader(split, **kwargs):
-        # A generator of its own: iter(loader) draws a seed from it, which from the global
-        # generator would shift the dropout masks.
-        return DataLoader(split, batch_size=args.batch_size, generator=torch.Generator().manual_seed(args.seed),
-                          collate_fn=partial(collate, pad_id=tokenizer.pad_token_id or 0, max_length=args.max_length),
-                          **kwargs)
+        # Its own generator: iter(loader) draws a seed, which from the global one would shift dropout masks.
+        return DataLoader(split, batch_size=args.batch_size, collate_fn=collate_fn,
+                          generator=torch.Generator().manual_seed(args.seed), **kwargs)
 
     shuffle = torch.Generator()  # reseeded every epoch: the order depends on (seed, epoch) alone
     train_loader = make_loader(train_set, sampler=RandomSampler(train_set, generator=shuffle), drop_last=True)
@@ -91,11 +88,10 @@ def main():
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=device.type == "cuda")
     torch.manual_seed(args.seed)  # the dropout masks start here, however many numbers building the model drew
 
-    step, start = 0, time.perf_counter()
+    step, t0 = 0, time.perf_counter()
     for epoch in range(args.epochs):
         shuffle.manual_seed(args.seed + epoch)
-        sums, seen = torch.zeros(2, dtype=torch.float64, device=device), 0  # loss x reviews, correct
-        window_loss, window_steps = torch.zeros((), dtype=torch.float64, device=device), 0
+        window_loss, window_start = torch.zeros((), dtype=torch.float64, device=device), step  # since the last print
         for batch in train_loader:
             input_ids, attention_mask, labels, _ = (t.to(device) for t in batch)
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -104,21 +100,14 @@ def main():
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            # Summed on the device: reading a value (.item()) waits for the GPU, so only at log steps.
-            sums += torch.stack([loss.detach().double() * len(labels), (logits.argmax(-1) == labels).sum().double()])
-            seen += len(labels)
-            window_loss += loss.detach().double()
-            window_steps += 1
-            if step % args.log_every == 0:  # the mean loss since the last loss line
-                print(f"step {step} loss {window_loss.item() / window_steps!r}", flush=True)
-                window_loss.zero_()
-                window_steps = 0
+            window_loss += loss.detach().double()  # on the device: .item() would wait for the GPU every step
+            if step % args.log_every == 0:
+                print(f"step {step} loss {window_loss.item() / (step - window_start)!r}", flush=True)
+                window_loss, window_start = torch.zeros_like(window_loss), step
             if step == args.max_steps:
                 break
-        train_loss, train_acc = (sums / seen).tolist()
         val_loss, val_acc = evaluate(model, val_loader, device)
-        print(f"epoch {epoch + 1}: train loss {train_loss:.4f} acc {train_acc:.4f} | "
-              f"val loss {val_loss:.4f} acc {val_acc:.4f} | {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"epoch {epoch + 1}: val loss {val_loss:.4f} acc {val_acc:.4f}, {time.perf_counter() - t0:.1f} s")
         if step == args.max_steps:
             break
     test_loss, test_acc = evaluate(model, test_loader, device)
