@@ -112,7 +112,7 @@ def main():
     scaler = ShardedGradScaler(device.type, enabled=amp_dtype == torch.float16)  # NEW: inf checks over all shards
     mp_policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)  # NEW
     layers = model.distilbert.transformer.layer if hasattr(model, "distilbert") else model.bert.encoder.layer  # NEW
-    for layer in layers:  # NEW: one shard group per transformer layer
+    for layer in layers:  # NEW: one shard group per transformer layer, so gathering the next overlaps this one
         if args.compile:  # NEW
             layer.compile()  # NEW: compile, then shard: the collectives run between compiled layers
         fully_shard(layer, mp_policy=mp_policy)  # NEW
