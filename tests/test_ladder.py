@@ -203,13 +203,13 @@ def test_single_process_script_prints_train_py_losses(script, imdb_dir, cache_di
 
 def test_early_stopping_stops_where_train_py_stops(imdb_dir, cache_dir, tmp_path):
     """Two whole epochs: reshuffling per epoch, evaluation between them and the stop itself agree."""
-    args = common_args(imdb_dir, cache_dir) + ["--epochs", "3", "--train-size", "48",
+    args = common_args(imdb_dir, cache_dir) + ["--epochs", "3", "--train-size", "32",
                                                "--early-stopping-patience", "1", "--min-delta", "1.0"]
     output = run_script(LADDER / "09_early_stopping.py", args + FP32["09_early_stopping.py"])
     reference, results = train_py(args, tmp_path / "train_py")
     assert results["stopped_early"] and results["epochs_run"] == 2
     assert "early stopping: 1 epoch(s) without improvement" in output
-    assert len(reference) == 2 * 48 // 8
+    assert len(reference) == 2 * 32 // 8
     assert_same_losses(printed_losses(output), reference)
     assert_same_evaluation(output, results)
 

@@ -41,7 +41,7 @@ def parse_args():
 
 
 def collate(items, pad_id, max_length):
-    """(tokens, label, weight) items -> tensors, every row padded to max_length (weights are 1 here)."""
+    """(tokens, label, weight) items -> tensors, every row padded to max_length."""
     input_ids = torch.full((len(items), max_length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, (tokens, _, _) in enumerate(items):
@@ -56,7 +56,7 @@ def collate(items, pad_id, max_length):
 def evaluate(model, loader, device, autocast):
     """(loss, accuracy) over a split, summed on the device and read once."""
     model.eval()  # dropout off
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, reviews
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, reviews; a weight 0 counts none
     for batch in loader:
         input_ids, attention_mask, labels, weights = (t.to(device) for t in batch)
         with autocast():  # evaluate the model as it trains
