@@ -77,22 +77,38 @@ def docstring_end(lines: list[str]) -> int:
     return ast.parse("\n".join(lines)).body[0].end_lineno
 
 
-@pytest.mark.parametrize("script", list(BUILDS_ON))
-def test_each_script_is_its_base_plus_its_own_marked_lines(script):
-    base = BUILDS_ON[script]
-    new = source(script)
-    assert new[0].startswith(f'"""{script}: {base} + '), "the docstring's first line names the script it builds on"
-    old = [unmarked(line) for line in source(base)]
+def lesson(old: list[str], new: list[str]) -> tuple[int, list[str], list[str]]:
+    """(changed lines, new/changed lines without # NEW, kept lines still marked) from old to new.
+
+    Markers are compared away: the older script's `# NEW` lines reappear unmarked in the newer one.
+    A replaced line counts once; the module docstring and blank lines need no marker.
+    """
     body_start = docstring_end(new)
     changed, missing, stale = 0, [], []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, [unmarked(x) for x in new],
-                                                       autojunk=False).get_opcodes():
+    matcher = difflib.SequenceMatcher(None, [unmarked(x) for x in old], [unmarked(x) for x in new], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             stale += [f"{j + 1}: {new[j]}" for j in range(j1, j2) if MARKER.search(new[j])]
             continue
         changed += max(i2 - i1, j2 - j1)
         missing += [f"{j + 1}: {new[j]}" for j in range(max(j1, body_start), j2)
                     if new[j].strip() and not MARKER.search(new[j])]
+    return changed, missing, stale
+
+
+def test_lesson_check_catches_unmarked_and_stale_lines():
+    old = ['"""Base."""', "x = 1  # NEW", "y = 2"]
+    assert lesson(old, ['"""Next."""', "x = 1", "", "y = 3  # NEW: why", "# NEW: a comment", "z = 4"]) == (
+        5, ["6: z = 4"], [])
+    assert lesson(old, ['"""Next."""', "x = 1  # NEW", "y = 2"]) == (1, [], ["2: x = 1  # NEW"])
+
+
+@pytest.mark.parametrize("script", list(BUILDS_ON))
+def test_each_script_is_its_base_plus_its_own_marked_lines(script):
+    base = BUILDS_ON[script]
+    new = source(script)
+    assert new[0].startswith(f'"""{script}: {base} + '), "the docstring's first line names the script it builds on"
+    changed, missing, stale = lesson(source(base), new)
     assert changed <= MAX_CHANGED_LINES, f"{base} -> {script}: {changed} changed lines"
     assert not missing, "new or changed lines without # NEW:\n" + "\n".join(missing)
     assert not stale, f"lines kept from {base} still marked # NEW:\n" + "\n".join(stale)
