@@ -29,14 +29,16 @@ The attention kernels (`KERNELS`), all exact; `packed_attention_kernel` picks on
 - "varlen": `torch.nn.attention.varlen.varlen_attn`, FlashAttention on the stream (CUDA,
   fp16/bf16 only). Reads nothing back to the host.
 - "loop": plain SDPA on each review in turn. Reads `cu_seqlens` to the host (one sync per
-  layer on a GPU, fine on a CPU). The fastest exact CPU kernel measured here.
+  layer on a GPU, nothing on a CPU). The fastest CPU kernel by far, so the CPU's eager choice.
 - "jagged": SDPA on a nested jagged tensor. Also reads `cu_seqlens` to the host.
 - "mask": SDPA on the whole stream with a block-diagonal mask built on the device from
   `cu_seqlens`. O(T^2) work and memory, but no host read and no data-dependent shape, so it is
   what a CPU graph compiled with `fullgraph=True` uses.
-Measured on a 2-core AVX2 CPU, forward + backward of one attention call, 12 reviews with
-IMDB-like lengths (mean ~270, max 512), 12 heads of 32 (`python -m fastpt.packing` prints it):
-see `benchmark_kernels`.
+Measured on a shared 2-core AVX2 CPU (`python -m fastpt.packing`): one attention call, forward +
+backward, fp32, 12 heads of 32, 12 reviews of IMDB-like lengths (mean 266, longest 501):
+loop 60 ms, jagged 5.5 s (torch has no fused CPU kernel for jagged inputs: it copies them to a
+strided nested tensor and runs the unfused math path), mask 1.5 s (3,198^2 scores per head),
+padded to 512 with a mask 0.49 s.
 
 Lightning has no flag for this. In Hugging Face it is `DataCollatorWithFlattening` (padding-free
 training: one row, `position_ids` restarting per example) with a flash-attention implementation.

@@ -65,12 +65,12 @@ def logits_and_grads(forward, model, seed: int = 1):
     return logits.detach(), {name: p.grad.clone() for name, p in parameters if p.grad is not None}
 
 
-def assert_same(got, expected):
+def assert_same(got, expected, rtol=1e-5, atol=1e-6):
     (logits, grads), (ref_logits, ref_grads) = got, expected
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, ref_logits, rtol=rtol, atol=atol)
     assert grads.keys() == ref_grads.keys()
     for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=rtol, atol=atol, msg=name)
 
 
 # --------------------------------------------------------------------------- the collator
@@ -150,6 +150,57 @@ def test_packed_logits_wants_a_packed_classifier_and_kernel_choice():
     assert packed_attention_kernel("cpu", compiled=False) == "loop"
     assert packed_attention_kernel("cpu", compiled=True) == "mask"
     assert packed_attention_kernel("cuda", compiled=True, low_precision=False) == "mask"
+
+
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+    """What `varlen_attn` computes, on the CPU: tokens-first [T, heads, head_dim]; rows outside
+    `cu_seq_q` are left unwritten (NaN here, whatever memory held on the GPU)."""
+    assert query.dim() == 3 and cu_seq_q.dtype == torch.int32 and type(max_q) is int
+    out = torch.full_like(query, float("nan"))
+    edges = cu_seq_q.tolist()
+    for start, end in zip(edges[:-1], edges[1:]):
+        assert end - start <= max_q
+        q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1)
+    return out
+
+
+def test_varlen_kernel_layout_and_rounding_tail(monkeypatch):
+    """The CUDA kernel's glue (layout, offsets, the unwritten tail) checked on the CPU with a stand-in."""
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", reference_varlen_attn)
+    model = tiny_model("bert").to(torch.bfloat16)
+    reference = PackedClassifier(copy.deepcopy(model), "loop").eval()
+    varlen = PackedClassifier(model, "varlen").eval()
+    batch = PackedCollator(pad_id=0, multiple=16)(make_items([9, 30, 2]))
+    got = logits_and_grads(lambda: packed_logits(varlen, batch, MAX_LENGTH), varlen)
+    assert all(grad.isfinite().all() for grad in got[1].values())
+    expected = logits_and_grads(lambda: packed_logits(reference, batch, MAX_LENGTH), reference)
+    # bf16: the two differ by rounding (a few units in the last place of the largest entries);
+    # a wrong layout or offset would be off by the size of the entries themselves. (Key biases
+    # have no gradient in exact arithmetic, hence the absolute floor.)
+    for got_tensor, expected_tensor in [(got[0], expected[0])] + [(got[1][n], g) for n, g in expected[1].items()]:
+        scale = expected_tensor.float().abs().max().item()
+        torch.testing.assert_close(got_tensor.float(), expected_tensor.float(), rtol=0, atol=0.02 * scale + 1e-6)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        packed_logits(PackedClassifier(tiny_model("bert"), "varlen"), batch, MAX_LENGTH)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernel runs on CUDA")
+@pytest.mark.parametrize("kind", ["distilbert", "bert"])
+def test_varlen_kernel_on_cuda_matches_the_mask_kernel(kind):
+    model = tiny_model(kind).cuda()
+    masked = PackedClassifier(copy.deepcopy(model), "mask").eval()
+    varlen = PackedClassifier(model, "varlen").eval()
+    batch = PackedCollator(pad_id=0, multiple=64)(make_items([9, 30, 2, MAX_LENGTH]))
+    batch = {key: value.cuda() if torch.is_tensor(value) else value for key, value in batch.items()}
+    results = []
+    for model in (varlen, masked):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            results.append(logits_and_grads(lambda: packed_logits(model, batch, MAX_LENGTH).float(), model))
+    (logits, grads), (ref_logits, ref_grads) = results
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=5e-2, atol=5e-2, msg=name)
 
 
 # --------------------------------------------------------------------------- torch.compile
