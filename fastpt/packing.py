@@ -16,8 +16,8 @@ What it costs:
 - Packed attention applies no attention-probability dropout, on every device: the CUDA kernel
   (`varlen_attn`) has no dropout argument, and the CPU kernels follow it so that CPU and GPU
   packed runs compute the same thing. All other dropout (embeddings, hidden states, the
-  classifier) is unchanged. With the models' default 0.1 this is a small change in
-  regularisation, not in the function learnt.
+  classifier) is unchanged. The models' attention dropout is 0.1 by default, so packed runs are
+  regularised a little less; the effect on accuracy has not been measured here.
 - Each batch has its own total length T, so a compiled graph sees a new shape every batch:
   mark the token dimension dynamic (`packed_logits` does, one graph for all lengths), or round
   T up with `PackedCollator(multiple=...)` and keep shapes static (a graph per rounded size;
@@ -107,6 +107,7 @@ def is_packed(batch) -> bool:
 # get zeros ("varlen"); either way no review sees them.
 
 def _segment_edges(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    """Review boundaries on the host, plus the rounding tail as one more segment if there is one."""
     edges = cu_seqlens.tolist()  # the host read of the "loop" and "jagged" kernels
     return edges + [num_tokens] if edges[-1] < num_tokens else edges
 
@@ -241,7 +242,8 @@ class PackedClassifier(nn.Module):
         if self.config.model_type == "distilbert":
             x = self.dropout(F.relu(self.pre_classifier(first_tokens)))
         else:
-            x = self.dropout(self.bert.pooler(first_tokens[:, None]))  # the pooler reads [:, 0]
+            pooler = getattr(self, self.encoder_name).pooler  # dense + tanh; it reads [:, 0]
+            x = self.dropout(pooler(first_tokens[:, None]))
         return self.classifier(x)
 
 
@@ -260,7 +262,6 @@ def packed_logits(model: nn.Module, batch: dict, max_seqlen: int, dynamic_tokens
         torch._dynamo.mark_dynamic(input_ids, 1)
         torch._dynamo.mark_dynamic(position_ids, 1)
     return model(input_ids, position_ids, batch["cu_seqlens"], max_seqlen)
-
 
 
 # --------------------------------------------------------------------------- measuring the kernels
