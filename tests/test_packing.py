@@ -216,7 +216,7 @@ def test_compiled_packed_matches_eager_with_one_graph_for_all_lengths(kind):
         got = logits_and_grads(lambda: packed_logits(compiled, batch, MAX_LENGTH), compiled)
         if step < 3:  # the first graph, and two new lengths through it
             assert_same(got, logits_and_grads(lambda: packed_logits(eager, batch, MAX_LENGTH), eager))
-    assert 1 <= counter.frame_count <= 2
+    assert counter.frame_count == 1  # the token dimension was marked dynamic before the first call
 
 
 def test_compiled_static_shapes_compile_once_per_rounded_size():
@@ -225,12 +225,13 @@ def test_compiled_static_shapes_compile_once_per_rounded_size():
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(packed, backend=counter, fullgraph=True)
     sizes = set()
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # keep every size static
-        for step in range(12):
+    # Forward only: the number of graphs is decided there; keep every size static.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), torch.no_grad():
+        for step in range(10):
             batch = PackedCollator(pad_id=0, multiple=64)(make_items(random_lengths(4, seed=step), seed=step))
             sizes.add(batch["num_tokens"])
-            packed_logits(compiled, batch, MAX_LENGTH, dynamic_tokens=False).sum().backward()
-    assert 1 < len(sizes) < 12 and counter.frame_count == len(sizes)
+            packed_logits(compiled, batch, MAX_LENGTH, dynamic_tokens=False)
+    assert 1 < len(sizes) < 10 and counter.frame_count == len(sizes)
 
 
 # --------------------------------------------------------------------------- host reads
