@@ -194,9 +194,9 @@ def test_varlen_kernel_on_cuda_matches_the_mask_kernel(kind):
     batch = PackedCollator(pad_id=0, multiple=64)(make_items([9, 30, 2, MAX_LENGTH]))
     batch = {key: value.cuda() if torch.is_tensor(value) else value for key, value in batch.items()}
     results = []
-    for model in (varlen, masked):
+    for packed in (varlen, masked):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            results.append(logits_and_grads(lambda: packed_logits(model, batch, MAX_LENGTH).float(), model))
+            results.append(logits_and_grads(lambda: packed_logits(packed, batch, MAX_LENGTH).float(), packed))
     (logits, grads), (ref_logits, ref_grads) = results
     torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
     for name in ref_grads:
