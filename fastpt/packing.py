@@ -1,0 +1,306 @@
+"""Padding-free ("packed") batches.
+
+What it does: a packed batch holds the same B reviews as a padded batch, laid end to end as
+one token stream `input_ids[1, T]`, with `cu_seqlens` (where each review starts and ends) and
+`position_ids` that restart at 0 for each review. Attention stays inside each review (a
+registered Hugging Face attention function, see `packed_attention`), every other layer works
+token by token anyway, and the classification head reads each review's first token ([CLS]),
+gathered at `cu_seqlens[:-1]`.
+
+Why it is faster: no pad token is ever computed. Padded to 512, IMDB batches are about half
+padding (bucketing.py gives the shares); padded to their own longest, random batches still are.
+Attention gains more than the padding share: it is quadratic in length, and each review only
+pays for its own length squared instead of the batch's longest.
+
+What it costs:
+- Packed attention applies no attention-probability dropout, on every device: the CUDA kernel
+  (`varlen_attn`) has no dropout argument, and the CPU kernels follow it so that CPU and GPU
+  packed runs compute the same thing. All other dropout (embeddings, hidden states, the
+  classifier) is unchanged. The models' attention dropout is 0.1 by default, so packed runs are
+  regularised a little less; the effect on accuracy has not been measured here.
+- Each batch has its own total length T, so a compiled graph sees a new shape every batch:
+  mark the token dimension dynamic (`packed_logits` does, one graph for all lengths), or round
+  T up with `PackedCollator(multiple=...)` and keep shapes static (a graph per rounded size;
+  what CUDA graphs need). The rounding tokens belong to no review and change no review's output.
+- The model is called through `PackedClassifier`, not the Hugging Face classification forward
+  (which reads token 0 of each row). Its state dict is the plain model's, key for key.
+
+The attention kernels (`KERNELS`), all exact; `packed_attention_kernel` picks one:
+- "varlen": `torch.nn.attention.varlen.varlen_attn`, FlashAttention on the stream (CUDA,
+  fp16/bf16 only). Reads nothing back to the host.
+- "loop": plain SDPA on each review in turn. Reads `cu_seqlens` to the host (one sync per
+  layer on a GPU, nothing on a CPU). The fastest CPU kernel by far, so the CPU's eager choice.
+- "jagged": SDPA on a nested jagged tensor. Also reads `cu_seqlens` to the host.
+- "mask": SDPA on the whole stream with a block-diagonal mask built on the device from
+  `cu_seqlens`. O(T^2) work and memory, but no host read and no data-dependent shape, so it is
+  what a CPU graph compiled with `fullgraph=True` uses.
+Measured on a shared 2-core AVX2 CPU (`python -m fastpt.packing`): one attention call, forward +
+backward, fp32, 12 heads of 32, 12 reviews of IMDB-like lengths (mean 266, longest 501):
+loop 60 ms, jagged 5.5 s (torch has no fused CPU kernel for jagged inputs: it copies them to a
+strided nested tensor and runs the unfused math path), mask 1.5 s (3,198^2 scores per head),
+padded to 512 with a mask 0.49 s.
+
+Lightning has no flag for this. In Hugging Face it is `DataCollatorWithFlattening` (padding-free
+training: one row, `position_ids` restarting per example) with a flash-attention implementation.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastpt.checkpoint import unwrap_model
+
+PACKED_ATTENTION = "fastpt_packed"
+KERNELS = ("varlen", "loop", "jagged", "mask")
+
+
+# --------------------------------------------------------------------------- the batch
+
+class PackedCollator:
+    """Lays a batch of (tokens, label, weight) items end to end as one row of tokens.
+
+    With `multiple`, the row is padded to a multiple of it with `pad_id` tokens placed after the
+    last review; they belong to no review (`cu_seqlens[-1]` is the number of real tokens).
+    """
+
+    def __init__(self, pad_id: int, multiple: int | None = None):
+        if multiple is not None and multiple < 1:
+            raise ValueError(f"multiple must be a positive number of tokens, got {multiple}")
+        self.pad_id, self.multiple = pad_id, multiple
+
+    def __call__(self, items) -> dict:
+        lengths = np.array([len(tokens) for tokens, _, _ in items], dtype=np.int64)
+        if (lengths == 0).any():
+            raise ValueError("an empty review cannot be packed: it has no first token to classify")
+        cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+        num_real_tokens = int(cu_seqlens[-1])
+        num_tokens = num_real_tokens
+        if self.multiple:
+            num_tokens = -(-num_real_tokens // self.multiple) * self.multiple
+        input_ids = np.full(num_tokens, self.pad_id, dtype=np.int64)
+        input_ids[:num_real_tokens] = np.concatenate([tokens for tokens, _, _ in items])
+        position_ids = np.zeros(num_tokens, dtype=np.int64)  # rounding tokens sit at position 0
+        position_ids[:num_real_tokens] = np.arange(num_real_tokens) - np.repeat(cu_seqlens[:-1], lengths)
+        return {
+            "input_ids": torch.from_numpy(input_ids)[None],
+            "position_ids": torch.from_numpy(position_ids)[None],
+            "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
+            "labels": torch.tensor([label for _, label, _ in items], dtype=torch.long),
+            "weight": torch.tensor([weight for _, _, weight in items], dtype=torch.float32),
+            "num_real_tokens": num_real_tokens,
+            "num_tokens": num_tokens,
+        }
+
+
+def is_packed(batch) -> bool:
+    return "cu_seqlens" in batch
+
+
+# --------------------------------------------------------------------------- attention kernels
+# Each takes query/key/value as [1, heads, T, head_dim] and returns [1, T, heads, head_dim].
+# Tokens after cu_seqlens[-1] (rounding) attend among themselves ("loop", "jagged", "mask") or
+# get zeros ("varlen"); either way no review sees them.
+
+def _segment_edges(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    """Review boundaries on the host, plus the rounding tail as one more segment if there is one."""
+    edges = cu_seqlens.tolist()  # the host read of the "loop" and "jagged" kernels
+    return edges + [num_tokens] if edges[-1] < num_tokens else edges
+
+
+def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+    edges = _segment_edges(cu_seqlens, query.shape[2])
+    out = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scale=scaling)
+           for s, e in zip(edges[:-1], edges[1:])]
+    return torch.cat(out, dim=2).transpose(1, 2)
+
+
+def _jagged_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+    edges = _segment_edges(cu_seqlens, query.shape[2])
+    offsets = torch.tensor(edges, dtype=torch.int64, device=query.device)
+    longest = max(e - s for s, e in zip(edges[:-1], edges[1:]))
+
+    def nested(x):  # [1, H, T, d] -> [B, H, j, d] with a ragged j
+        tokens_first = x[0].transpose(0, 1).contiguous()  # a no-op for Hugging Face q, k, v
+        return torch.nested.nested_tensor_from_jagged(tokens_first, offsets, max_seqlen=longest).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(nested(query), nested(key), nested(value), scale=scaling)
+    return out.transpose(1, 2).values()[None]
+
+
+def _mask_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+    # Segment id of each token: review i is i + 1, the rounding tail is B + 1. Same id, may attend.
+    tokens = torch.arange(query.shape[2], device=query.device, dtype=cu_seqlens.dtype)
+    segment = torch.searchsorted(cu_seqlens, tokens, right=True)
+    mask = segment[:, None] == segment[None, :]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2)
+
+
+def _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+    from torch.nn.attention.varlen import varlen_attn  # PyTorch >= 2.10, CUDA only
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the 'varlen' kernel (FlashAttention) needs fp16 or bf16 inputs, got {query.dtype}: "
+                         "train under autocast, or use the 'loop' or 'mask' kernel")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, d], tokens first
+    # Positional arguments only: torch 2.10 has `is_causal` as the 8th, later versions keyword-only
+    # options; the default scale (head_dim ** -0.5) is the one BERT and DistilBERT use.
+    if "scale" in _VARLEN_OPTIONS:
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling)
+    elif scaling is None or abs(scaling - q.shape[-1] ** -0.5) < 1e-12:
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    else:
+        raise ValueError("this torch's varlen_attn has no scale argument and the model's scale is not 1/sqrt(d)")
+    # Rows after cu_seqlens[-1] are outside every sequence: the kernel leaves them unwritten.
+    real = torch.arange(q.shape[0], device=q.device) < cu_seqlens[-1]
+    return torch.where(real[:, None, None], out, 0.0)[None]
+
+
+def _varlen_options() -> frozenset:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN_OPTIONS = _varlen_options()
+_KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention,
+                     "jagged": _jagged_attention, "mask": _mask_attention}
+
+
+def packed_attention_kernel(device_type: str, compiled: bool, low_precision: bool = True) -> str:
+    """The kernel to use: FlashAttention's varlen on CUDA in fp16/bf16; on a CPU (or CUDA in
+    fp32) the per-review loop in eager mode and the block-diagonal mask under torch.compile."""
+    if device_type == "cuda" and low_precision and "cu_seq_q" in _VARLEN_OPTIONS:
+        return "varlen"
+    return "mask" if compiled else "loop"
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     cu_seqlens=None, max_seqlen=None, packed_kernel="loop", **kwargs):
+    """Transformers attention function: packed when `cu_seqlens` is given, else plain SDPA.
+
+    The SDPA fallback keeps the same model usable on padded batches (evaluation, or loading
+    it anywhere) after `apply_packed_attention`. Packed attention ignores `dropout` (see top).
+    """
+    if cu_seqlens is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    out = _KERNEL_FUNCTIONS[packed_kernel](query, key, value, cu_seqlens, max_seqlen, scaling)
+    return out, None
+
+
+def apply_packed_attention(model: nn.Module) -> nn.Module:
+    """Switches a Hugging Face model to `packed_attention` (registered once, with SDPA's mask)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # padded batches keep their mask
+    model.set_attn_implementation(PACKED_ATTENTION)
+    return model
+
+
+# --------------------------------------------------------------------------- the model
+
+class PackedClassifier(nn.Module):
+    """A `...ForSequenceClassification` model run on packed batches.
+
+    It registers the model's own children (`distilbert`, `pre_classifier`, ... or `bert`,
+    `dropout`, `classifier`) under their own names, so it shares every parameter with the model
+    and its `state_dict()` has exactly the model's keys: checkpoints saved from it (after
+    `unwrap_model` peels compile / DDP) load into a plain `AutoModelForSequenceClassification`.
+    This module, not the Hugging Face one, is what gets compiled and wrapped in DDP.
+    """
+
+    def __init__(self, model: nn.Module, kernel: str = "loop"):
+        super().__init__()
+        if model.config.model_type not in ("distilbert", "bert"):
+            raise ValueError(f"packed batches support DistilBERT and BERT models, not {model.config.model_type}")
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown packed attention kernel {kernel!r}; choose one of {KERNELS}")
+        apply_packed_attention(model)
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self.config, self.kernel = model.config, kernel
+        self.encoder_name = model.base_model_prefix
+
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+        encoder = getattr(self, self.encoder_name)
+        extra = {"token_type_ids": torch.zeros_like(input_ids)} if self.config.model_type == "bert" else {}
+        hidden = encoder(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                         max_seqlen=max_seqlen, packed_kernel=self.kernel, **extra).last_hidden_state
+        first_tokens = hidden[0].index_select(0, cu_seqlens[:-1])  # [B, hidden]: each review's [CLS]
+        return self.head(first_tokens)
+
+    def head(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """The architecture's own classification head, as its forward applies it to token 0."""
+        if self.config.model_type == "distilbert":
+            x = self.dropout(F.relu(self.pre_classifier(first_tokens)))
+        else:
+            pooler = getattr(self, self.encoder_name).pooler  # dense + tanh; it reads [:, 0]
+            x = self.dropout(pooler(first_tokens[:, None]))
+        return self.classifier(x)
+
+
+def packed_logits(model: nn.Module, batch: dict, max_seqlen: int, dynamic_tokens: bool = True) -> torch.Tensor:
+    """Logits [B, num_labels] of a packed batch; `model` is a PackedClassifier, maybe compiled / in DDP.
+
+    `max_seqlen` is a static bound on one review's length (the run's max length), a Python int,
+    so that a compiled graph never specialises on a per-batch value. `dynamic_tokens` marks the
+    stream length dynamic for torch.compile (one graph for every length); pass False when the
+    collator rounds to a `multiple` and static shapes are wanted.
+    """
+    if not isinstance(unwrap_model(model), PackedClassifier):
+        raise TypeError("packed_logits needs a PackedClassifier (or a compiled / DDP wrapper of one)")
+    input_ids, position_ids = batch["input_ids"], batch["position_ids"]
+    if dynamic_tokens:
+        torch._dynamo.mark_dynamic(input_ids, 1)
+        torch._dynamo.mark_dynamic(position_ids, 1)
+    return model(input_ids, position_ids, batch["cu_seqlens"], max_seqlen)
+
+
+# --------------------------------------------------------------------------- measuring the kernels
+
+def imdb_like_lengths(batch_size: int, max_length: int = 512, seed: int = 0) -> list[int]:
+    """Review lengths drawn like IMDB's in BERT tokens: mean ~270, a long tail cut at max_length."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(5.5, 0.55, size=batch_size), 16, max_length).astype(int).tolist()
+
+
+def benchmark_kernels(batch_size: int = 12, heads: int = 12, head_dim: int = 32, max_length: int = 512,
+                      repeats: int = 5, seed: int = 0) -> dict[str, float]:
+    """Median seconds of one attention call, forward + backward, per CPU kernel and padded SDPA."""
+    import time
+    lengths = imdb_like_lengths(batch_size, max_length, seed)
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    total = int(cu_seqlens[-1])
+    g = torch.Generator().manual_seed(seed)
+    packed = [torch.randn(1, heads, total, head_dim, generator=g) for _ in range(3)]
+    padded = [torch.randn(batch_size, heads, max_length, head_dim, generator=g) for _ in range(3)]
+    pad_mask = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    cases = {name: (lambda q, k, v, f=_KERNEL_FUNCTIONS[name]: f(q, k, v, cu_seqlens, max_length, None), packed)
+             for name in ("loop", "jagged", "mask")}
+    cases["padded-512"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask), padded)
+    timings = {}
+    for name, (attend, inputs) in cases.items():
+        runs = []
+        for _ in range(repeats + 1):  # the first run warms up
+            q, k, v = (x.detach().requires_grad_() for x in inputs)
+            start = time.perf_counter()
+            attend(q, k, v).sum().backward()
+            runs.append(time.perf_counter() - start)
+        timings[name] = float(np.median(runs[1:]))
+    return timings
+
+
+if __name__ == "__main__":
+    lengths = imdb_like_lengths(12)
+    print(f"12 reviews, lengths mean {np.mean(lengths):.0f}, max {max(lengths)}; "
+          f"attention forward + backward, 12 heads x 32, {torch.get_num_threads()} threads")
+    for name, seconds in benchmark_kernels().items():
+        print(f"  {name:>10}: {seconds * 1e3:8.1f} ms")
