@@ -19,9 +19,9 @@ What it costs:
   classifier) is unchanged. The models' attention dropout is 0.1 by default, so packed runs are
   regularised a little less; the effect on accuracy has not been measured here.
 - Each batch has its own total length T, so a compiled graph sees a new shape every batch:
-  mark the token dimension dynamic (`packed_logits` does, one graph for all lengths), or round
-  T up with `PackedCollator(multiple=...)` and keep shapes static (a graph per rounded size;
-  what CUDA graphs need). The rounding tokens belong to no review and change no review's output.
+  the token dimension is marked dynamic before the step (`Strategy.to_device`), so one compiled
+  graph serves every length; `PackedCollator(multiple=...)` rounds T up so that CUDA graphs,
+  which record one graph per distinct shape, see only a few shapes. The rounding tokens belong to no review and change no review's output.
 - The model is called through `PackedClassifier`, not the Hugging Face classification forward
   (which reads token 0 of each row). Its state dict is the plain model's, key for key.
 
@@ -53,7 +53,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpt.checkpoint import unwrap_model
 
 PACKED_ATTENTION = "fastpt_packed"
 KERNELS = ("varlen", "loop", "jagged", "mask")
@@ -92,7 +91,7 @@ class PackedCollator:
             "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
             "labels": torch.tensor([label for _, label, _ in items], dtype=torch.long),
             "weight": torch.tensor([weight for _, _, weight in items], dtype=torch.float32),
-            "num_real_tokens": num_real_tokens,
+            "lengths": lengths.tolist(),  # Python ints, for the throughput meter: no tensor read
             "num_tokens": num_tokens,
         }
 
@@ -212,8 +211,8 @@ class PackedClassifier(nn.Module):
 
     It registers the model's own children (`distilbert`, `pre_classifier`, ... or `bert`,
     `dropout`, `classifier`) under their own names, so it shares every parameter with the model
-    and its `state_dict()` has exactly the model's keys: checkpoints saved from it (after
-    `unwrap_model` peels compile / DDP) load into a plain `AutoModelForSequenceClassification`.
+    and its `state_dict()` has exactly the model's keys: checkpoints saved from it load into a
+    plain `AutoModelForSequenceClassification`.
     This module, not the Hugging Face one, is what gets compiled and wrapped in DDP.
     """
 
@@ -247,21 +246,24 @@ class PackedClassifier(nn.Module):
         return self.classifier(x)
 
 
-def packed_logits(model: nn.Module, batch: dict, max_seqlen: int, dynamic_tokens: bool = True) -> torch.Tensor:
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile's (`_orig_mod`), DDP's or DeepSpeed's (`module`) wrapper."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def packed_logits(model: nn.Module, batch: dict, max_seqlen: int) -> torch.Tensor:
     """Logits [B, num_labels] of a packed batch; `model` is a PackedClassifier, maybe compiled / in DDP.
 
     `max_seqlen` is a static bound on one review's length (the run's max length), a Python int,
-    so that a compiled graph never specialises on a per-batch value. `dynamic_tokens` marks the
-    stream length dynamic for torch.compile (one graph for every length); pass False when the
-    collator rounds to a `multiple` and static shapes are wanted.
+    so that a compiled graph never specialises on a per-batch value.
     """
-    if not isinstance(unwrap_model(model), PackedClassifier):
+    if not isinstance(unwrap(model), PackedClassifier):
         raise TypeError("packed_logits needs a PackedClassifier (or a compiled / DDP wrapper of one)")
-    input_ids, position_ids = batch["input_ids"], batch["position_ids"]
-    if dynamic_tokens:
-        torch._dynamo.mark_dynamic(input_ids, 1)
-        torch._dynamo.mark_dynamic(position_ids, 1)
-    return model(input_ids, position_ids, batch["cu_seqlens"], max_seqlen)
+    return model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], max_seqlen)
 
 
 # --------------------------------------------------------------------------- measuring the kernels

@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastpt.packing import is_packed, packed_logits
 
 
 def classify(model: torch.nn.Module, batch: dict, max_length: int) -> torch.Tensor:
     """Logits [reviews, labels]: a padded batch through the Hugging Face model, or a packed one."""
-    if "cu_seqlens" in batch:
-        from fastpt.packing import packed_logits
+    if is_packed(batch):
         return packed_logits(model, batch, max_seqlen=max_length)
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 

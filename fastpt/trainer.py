@@ -135,9 +135,9 @@ class Trainer:
                            f"validation {len(self.splits['validation'])}, test {len(self.splits['test'])}")
         n_params, n_matmul = count_parameters(model)
         layers, hidden = metrics.model_shape(model)
-        if cfg.pack:
-            from fastpt.packing import apply_packed_attention
-            model = apply_packed_attention(model)
+        if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
+            from fastpt.packing import PackedClassifier, packed_attention_kernel
+            model = PackedClassifier(model, packed_attention_kernel(self.device.type, cfg.compile, cfg.amp))
         self.strategy = build_strategy(cfg, dist)
         self.strategy.setup(model)
         self.forward_loss = make_forward_loss(self.strategy, cfg.max_length)

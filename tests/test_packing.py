@@ -18,10 +18,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForSequenceClassification, BertConfig, DistilBertConfig
 
-from fastpt.checkpoint import unwrap_model
+from fastpt.compile import mark_token_dim_dynamic
 from fastpt.data import Collator
 from fastpt.packing import (PackedClassifier, PackedCollator, apply_packed_attention, is_packed,
-                            packed_attention_kernel, packed_logits)
+                            packed_attention_kernel, packed_logits, unwrap)
 
 MAX_LENGTH = 64
 CPU_KERNELS = ("loop", "jagged", "mask")
@@ -61,7 +61,7 @@ def logits_and_grads(forward, model, seed: int = 1):
     logits = forward()
     weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
     (logits * weights).sum().backward()
-    parameters = unwrap_model(model).named_parameters()  # no `_orig_mod.` prefix
+    parameters = unwrap(model).named_parameters()  # no `_orig_mod.` prefix
     return logits.detach(), {name: p.grad.clone() for name, p in parameters if p.grad is not None}
 
 
@@ -84,7 +84,7 @@ def test_collator_lays_reviews_end_to_end_with_offsets_and_positions():
     assert batch["cu_seqlens"].dtype == torch.int32 and batch["cu_seqlens"].tolist() == [0, 3, 8, 10]
     assert batch["labels"].tolist() == [label for _, label, _ in items] and batch["labels"].dtype == torch.long
     assert batch["weight"].dtype == torch.float32
-    assert type(batch["num_real_tokens"]) is int and batch["num_real_tokens"] == batch["num_tokens"] == 10
+    assert all(type(n) is int for n in batch["lengths"]) and sum(batch["lengths"]) == batch["num_tokens"] == 10
     assert is_packed(batch) and not is_packed(Collator(0, "longest", MAX_LENGTH)(items))
 
 
@@ -92,7 +92,7 @@ def test_collator_rounds_the_stream_with_pad_tokens_outside_every_review():
     items = make_items([3, 5, 2])
     batch = PackedCollator(pad_id=7, multiple=8)(items)
     assert batch["num_tokens"] == 16 and batch["input_ids"].shape == (1, 16)
-    assert batch["num_real_tokens"] == 10 and batch["cu_seqlens"].tolist() == [0, 3, 8, 10]
+    assert sum(batch["lengths"]) == 10 and batch["cu_seqlens"].tolist() == [0, 3, 8, 10]
     assert batch["input_ids"][0, 10:].tolist() == [7] * 6
     assert batch["position_ids"][0, 10:].tolist() == [0] * 6  # a valid position, read by nobody
     assert PackedCollator(pad_id=0, multiple=5)(make_items([5]))["num_tokens"] == 5  # already a multiple
@@ -212,7 +212,7 @@ def test_compiled_packed_matches_eager_with_one_graph_for_all_lengths(kind):
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(copy.deepcopy(eager), backend=counter, fullgraph=True)
     for step in range(20):
-        batch = PackedCollator(pad_id=0)(make_items(random_lengths(4, seed=step), seed=step))
+        batch = mark_token_dim_dynamic(PackedCollator(pad_id=0)(make_items(random_lengths(4, seed=step), seed=step)))
         got = logits_and_grads(lambda: packed_logits(compiled, batch, MAX_LENGTH), compiled)
         if step < 3:  # the first graph, and two new lengths through it
             assert_same(got, logits_and_grads(lambda: packed_logits(eager, batch, MAX_LENGTH), eager))
@@ -230,7 +230,7 @@ def test_compiled_static_shapes_compile_once_per_rounded_size():
         for step in range(10):
             batch = PackedCollator(pad_id=0, multiple=64)(make_items(random_lengths(4, seed=step), seed=step))
             sizes.add(batch["num_tokens"])
-            packed_logits(compiled, batch, MAX_LENGTH, dynamic_tokens=False)
+            packed_logits(compiled, batch, MAX_LENGTH)
     assert 1 < len(sizes) < 10 and counter.frame_count == len(sizes)
 
 
@@ -303,7 +303,7 @@ def test_checkpoint_from_packed_training_loads_into_a_plain_model():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    state = unwrap_model(torch.compile(packed)).state_dict()
+    state = unwrap(torch.compile(packed)).state_dict()
     plain = tiny_model("bert", seed=1).eval()
     assert list(state) == list(plain.state_dict())
     plain.load_state_dict(state, strict=True)

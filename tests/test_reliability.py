@@ -481,7 +481,7 @@ def test_bad_input_under_torchrun_is_one_line_and_a_plain_exit(imdb_dir, cache_d
 def test_stop_message_is_on_a_line_of_its_own(imdb_dir, cache_dir, tmp_path, monkeypatch, capfd):
     from fastpt.strategies.base import Strategy
 
-    original, calls = Strategy.step, []
+    original, calls = Strategy.optimizer_step, []
 
     def step(self):
         calls.append(1)
@@ -489,7 +489,7 @@ def test_stop_message_is_on_a_line_of_its_own(imdb_dir, cache_dir, tmp_path, mon
             os.kill(os.getpid(), signal.SIGINT)
         return original(self)
 
-    monkeypatch.setattr(Strategy, "step", step)
+    monkeypatch.setattr(Strategy, "optimizer_step", step)
     args = [a for a in flags(imdb_dir, cache_dir, tmp_path / "run", "--no-tensorboard") if a != "--no-progress"]
     assert main(args) == EXIT_STOPPED
     lines = capfd.readouterr().err.splitlines()  # splits at the bar's carriage returns too
