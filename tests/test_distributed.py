@@ -7,7 +7,9 @@ without dropout, so the runs differ only in how the work is split over the two p
   give, in one process, exactly the test accuracy the two ranks reported;
 - sharded runs must hold about half of DDP's bytes per rank where they shard;
 - every run stops early at the same step on both ranks (min-delta 1.0 makes epoch 2 stall);
-- validation (15) and test (31) sizes are odd, so ranks get unequal shares.
+- validation (15) and test (31) sizes are odd, so ranks get unequal shares;
+- with `--pack`, DDP, FSDP and ZeRO-2 follow one packed process with batch 2B, which itself
+  follows the padded one (no dropout: packed attention's missing dropout changes nothing).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ RUN_MANY = ROOT / "tests" / "dist" / "run_many.py"
 STRATEGIES = {"ddp": ["--ddp"], "fsdp": ["--fsdp"], "zero1": ["--deepspeed", "--zero-stage", "1"],
               "zero2": ["--deepspeed", "--zero-stage", "2"], "zero3": ["--deepspeed", "--zero-stage", "3"]}
 RESUMED = ("fsdp", "zero3")  # resume through gathered full state (FSDP) and engine checkpoints (ZeRO)
+PACKED = {f"{name}_pack": [*STRATEGIES[name], "--pack"] for name in ("ddp", "fsdp", "zero2")}
 MAX_LENGTH, BATCH, TEST_SIZE = 32, 4, 31
 STEPS_PER_EPOCH = 112 // (2 * BATCH)  # 112 training reviews in the tiny data set
 
@@ -64,7 +67,8 @@ def runs(imdb_dir, cache_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     outs = {name: root / name for name in STRATEGIES}
     argv = ["--no-dropout"]
-    for name, flags in STRATEGIES.items():
+    for name, flags in {**STRATEGIES, **PACKED}.items():
+        outs[name] = root / name
         argv += ["--", *common_args(imdb_dir, cache_dir, BATCH), "--out", str(outs[name]), *flags]
     for name in RESUMED:  # one epoch, then continue from checkpoints/last.pt in a fresh run
         outs[f"{name}_resumed"] = out = root / f"{name}_resumed"
@@ -75,13 +79,15 @@ def runs(imdb_dir, cache_dir, tmp_path_factory):
                for name in STRATEGIES}
 
     # The reference: one process, twice the batch, same model without dropout.
-    outs["single"] = root / "single"
+    outs["single"], outs["single_pack"] = root / "single", root / "single_pack"
     with pytest.MonkeyPatch.context() as mp:
         from fastpt import models
         sys.path.insert(0, str(RUN_MANY.parent))
         import run_many
         mp.setattr(models, "tiny_config", run_many.no_dropout_tiny_config)
         assert run.main(common_args(imdb_dir, cache_dir, 2 * BATCH) + ["--out", str(outs["single"])]) == 0
+        assert run.main(common_args(imdb_dir, cache_dir, 2 * BATCH) + ["--out", str(outs["single_pack"]),
+                                                                       "--pack"]) == 0
     return outs, reports
 
 
@@ -134,6 +140,26 @@ def test_sharded_strategy_matches_ddp_and_best_pt_loads_into_plain_model(runs, n
     assert plain["n"] == TEST_SIZE
     assert plain["acc"] == reported["test_acc"]  # exactly: same weights, every review counted once
     assert plain["loss"] == pytest.approx(reported["test_loss"], rel=1e-5)
+
+
+def test_packed_single_process_follows_the_padded_one(runs):
+    outs, _ = runs
+    torch.testing.assert_close(torch.tensor(step_losses(outs["single_pack"])), torch.tensor(step_losses(outs["single"])),
+                               rtol=1e-4, atol=1e-5)
+    packed, padded = results(outs["single_pack"]), results(outs["single"])
+    assert packed["padding_efficiency"] == 1.0 > padded["padding_efficiency"]
+    assert packed["test_acc"] == padded["test_acc"]
+
+
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_packed_strategy_matches_one_packed_process_and_best_pt_loads_padded(runs, name, imdb_dir, cache_dir):
+    outs, _ = runs
+    torch.testing.assert_close(torch.tensor(step_losses(outs[name])), torch.tensor(step_losses(outs["single_pack"])),
+                               rtol=1e-4, atol=1e-5)
+    reported = results(outs[name])
+    plain = plain_evaluation(outs[name] / "checkpoints" / "best.pt", imdb_dir, cache_dir)  # padded, plain model
+    assert (plain["acc"], plain["n"]) == (reported["test_acc"], TEST_SIZE)
+    assert plain["loss"] == pytest.approx(reported["test_loss"], rel=1e-4)
 
 
 @pytest.mark.parametrize("name", RESUMED)

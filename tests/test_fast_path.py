@@ -107,3 +107,80 @@ def test_results_report_compile_time_val_time_and_rates(tiny_args, tmp_path):
     assert short["train_examples"] == 112 and short["val_examples"] == 16 and short["test_examples"] == 32
     assert 0 < short["val_time_s"] < short["train_time_s"]
     assert short["train_time_no_compile_s"] == short["train_time_s"]
+
+
+def tb_losses(out) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [e.value for e in events.Scalars("train/loss")]
+
+
+@pytest.fixture
+def no_dropout(monkeypatch):
+    """The tiny model without dropout: packed attention applies none, so only then do the runs compare."""
+    from fastpt import models
+    original = models.tiny_config
+
+    def config():
+        c = original()
+        c.dropout = c.attention_dropout = c.seq_classif_dropout = 0.0
+        return c
+
+    monkeypatch.setattr(models, "tiny_config", config)
+
+
+def test_packed_and_device_batches_train_like_padded_ones(tiny_args, tmp_path, no_dropout):
+    common = ("--epochs", "1", "--log-every", "1", "--lr", "1e-3")
+    runs = {name: tmp_path / name for name in ("padded", "packed", "packed_device", "padded_device")}
+    assert main(tiny_args(*common, out=runs["padded"])) == 0
+    assert main(tiny_args(*common, "--pack", "--pack-multiple", "16", out=runs["packed"])) == 0
+    assert main(tiny_args(*common, "--pack", "--data-on-device", out=runs["packed_device"])) == 0
+    assert main(tiny_args(*common, "--data-on-device", "--pad-to", "longest", out=runs["padded_device"])) == 0
+    reference = torch.tensor(tb_losses(runs["padded"]))
+    assert reference.max() - reference.min() > 1e-3  # it learns: the curves have something to match
+    for name, out in runs.items():
+        torch.testing.assert_close(torch.tensor(tb_losses(out)), reference, rtol=1e-4, atol=1e-5, msg=name)
+    packed = json.loads((runs["packed"] / "results.json").read_text())
+    padded = json.loads((runs["padded"] / "results.json").read_text())
+    assert packed["test_acc"] == padded["test_acc"]
+    assert packed["test_loss"] == pytest.approx(padded["test_loss"], rel=1e-4)
+    assert padded["padding_efficiency"] < packed["padding_efficiency"] < 1.0  # rounded up to multiples of 16
+    assert json.loads((runs["packed_device"] / "results.json").read_text())["padding_efficiency"] == 1.0
+
+
+def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
+    """Steps 9-16 (no log step among them) of the fast path: not one value read back from the device.
+
+    On the CPU the packed attention takes the block-diagonal mask kernel, the one that reads
+    nothing back (CUDA's varlen kernel reads nothing either; the CPU's eager loop kernel reads
+    each review's boundaries on the host, harmless there).
+    """
+    from fastpt import packing
+    from fastpt.bookkeeping import Bookkeeping
+
+    monkeypatch.setattr(packing, "packed_attention_kernel", lambda *args, **kwargs: "mask")
+    all_ops = []
+    original = Bookkeeping.after_step
+
+    class Recorder(HostReads):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            all_ops.append(func.overloadpacket.__name__)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    reads = Recorder()
+
+    def after_step(self, sums, micro_batches):
+        if self.global_step == 15:  # step 16 is a log step: stop watching before it is accounted
+            reads.__exit__(None, None, None)
+        stop = original(self, sums, micro_batches)
+        if self.global_step == 8:
+            reads.__enter__()
+        return stop
+
+    monkeypatch.setattr(Bookkeeping, "after_step", after_step)
+    flags = ("--pack", "--data-on-device", "--fused-adam", "--max-grad-norm", "1.0", "--batch-size", "4",
+             "--log-every", "1000", "--max-steps", "20", "--epochs", "1")
+    assert main(tiny_args(*flags, out=tmp_path / "run")) == 0
+    assert len(all_ops) > 500  # the mode saw the steps: forward, backward, clipping, Adam, the batch gather
+    assert reads.seen == []
