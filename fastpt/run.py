@@ -192,7 +192,8 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     Refuses to replace another run unless --overwrite. With --resume auto and no last.pt yet
     (killed before its first checkpoint) the run starts again in the same folder, provided the
     folder's config.json is this configuration and the run there never finished. A finished
-    run (results.json) is never resumed: RunFinished.
+    run (results.json) with nothing left to train under these flags is left alone: RunFinished.
+    Asking it for more (a larger --epochs or --max-steps) continues it.
     """
     from fastpt.checkpoint import load as load_checkpoint
 
@@ -203,7 +204,7 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     if resume_path is not None:
         state = load_checkpoint(resume_path)
         check_resume_compatible(cfg, state, dist.world_size, resume_path)
-        if finished and not cfg.overwrite:
+        if finished and not cfg.overwrite and nothing_left(cfg, state):
             raise RunFinished(f"the run in {out} is finished (results.json); nothing to do "
                               f"(--overwrite without --resume trains it again)")
         return OutPlan(out, resume_state=state)
@@ -215,6 +216,13 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
                              f"{'' if cfg.resume else ', --resume auto to continue it'}, or choose another folder")
         _check_same_run(cfg, out, dist.world_size)
     return OutPlan(out, to_clear=existing)
+
+
+def nothing_left(cfg: TrainConfig, state: dict) -> bool:
+    """Whether the checkpointed run has already done all these flags ask for."""
+    progress, early = state["progress"], state.get("early_stopping") or {}
+    return (bool(early.get("stopped")) or progress["epoch"] >= cfg.epochs
+            or (cfg.max_steps is not None and progress["global_step"] >= cfg.max_steps))
 
 
 def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
