@@ -13,6 +13,9 @@ did differently, and why it is changed here so that only the framework differs:
 - accuracy is a weighted count reduced over ranks instead of torchmetrics (same numbers);
 - no sanity-check validation (`num_sanity_val_steps=0`): fastpt runs none.
 
+`--compile` compiles the model as the articles did, `model = torch.compile(model)` before
+`Trainer.fit` (fastpt's `--compile`).
+
 Lightning is needed by this script only: `pip install -r requirements-peers.txt`.
 """
 
@@ -108,15 +111,17 @@ class TrainTimer(Callback):
 
 
 def main(argv=None) -> int:
-    args = common.build_parser("lightning_ref.py").parse_args(argv)
+    parser = common.build_parser("lightning_ref.py")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model before Trainer.fit")
+    args = parser.parse_args(argv)
     rank, world_size = common.rank_and_world()
     model, loaders, _ = common.build_inputs(args, rank, world_size)
     on_cuda = common.use_cuda(args)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
-    meter = common.make_meter(model, device)
+    meter = common.make_meter(model, device, args.precision)
     timer = TrainTimer(meter)
     out = Path(args.out)
-    module = LightningModel(model, args.lr)
+    module = LightningModel(torch.compile(model) if args.compile else model, args.lr)
     trainer = L.Trainer(
         max_epochs=args.epochs,
         accelerator="gpu" if on_cuda else "cpu",
