@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -119,14 +120,21 @@ def cpu_fast_precision() -> tuple[str, str]:
 # --------------------------------------------------------------------------- running
 
 def run_logged(command: list[str], log_path: Path, timeout: float, env: dict | None = None) -> tuple[object, float]:
-    """Run one command with its output in log_path: (exit code or "timeout", wall seconds)."""
+    """Run one command with its output in log_path: (exit code or "timeout", wall seconds).
+
+    The command runs in a process group of its own, killed whole on timeout: torchrun's workers
+    and compiler subprocesses would otherwise outlive it, holding the GPU or a build lock.
+    """
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-                                     **(env or {})}).returncode
+                                     **(env or {})})
+        try:
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
     return rc, time.perf_counter() - start
 
