@@ -2,7 +2,8 @@
 # Stage what the GPU machine lacks for scripts/gpu_check.sh, into one git-ignored folder to carry.
 #
 #   bash scripts/device_stage.sh                 # stages into .stage/, prints the run command and carry list
-#   bash scripts/device_stage.sh --no-wheels     # offline: data and tokenizer only
+#   bash scripts/device_stage.sh --no-wheels     # data and tokenizer only
+#   bash scripts/device_stage.sh --offline       # wheels from the cache only; none if one is missing
 #
 # Runs here, where there is a registry; the GPU machine has no internet, Python 3.12 and most
 # packages (the device notes list them). Staged, each in a sub-folder of --stage:
@@ -25,6 +26,7 @@ STAGE="$ROOT/.stage"
 DATA_DIR="${FASTPT_DATA_DIR:-$ROOT/../shared/data}"
 WHEEL_CACHE="$ROOT/.cache/wheels"
 WHEELS=1
+OFFLINE=0
 LIMIT_MIB=60
 if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"; elif [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi
 while [[ $# -gt 0 ]]; do
@@ -33,7 +35,8 @@ while [[ $# -gt 0 ]]; do
     --data-dir) DATA_DIR="$2"; shift 2 ;;
     --wheel-cache) WHEEL_CACHE="$2"; shift 2 ;;
     --no-wheels) WHEELS=0; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    --offline) OFFLINE=1; shift ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -74,16 +77,20 @@ wheel_of() {  # the cached wheel of NAME==VERSION, if any (wheel names use _ for
   local name="${1%%==*}" version="${1##*==}"
   compgen -G "$WHEEL_CACHE/${name//[-.]/_}-$version-*.whl" | head -n 1 || true
 }
+uncached=()
+for pin in "${PINS[@]}"; do [[ -n "$(wheel_of "$pin")" ]] || uncached+=("$pin"); done
+if [[ $WHEELS -eq 1 && $OFFLINE -eq 1 && ${#uncached[@]} -gt 0 ]]; then
+  WHEELS=0
+  echo "note: --offline and ${uncached[*]} not in $WHEEL_CACHE: no wheels staged"
+fi
 if [[ $WHEELS -eq 1 ]]; then
   mkdir -p "$WHEEL_CACHE"
-  for pin in "${PINS[@]}"; do
-    if [[ -z "$(wheel_of "$pin")" ]]; then
-      if [[ "$pin" == deepspeed==* ]]; then
-        # Only a source distribution on PyPI: built here into a pure-Python wheel (ops compile at run time).
-        "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEEL_CACHE" "$pin"
-      else
-        "$PY" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$WHEEL_CACHE" "$pin"
-      fi
+  for pin in "${uncached[@]}"; do
+    if [[ "$pin" == deepspeed==* ]]; then
+      # Only a source distribution on PyPI: built here into a pure-Python wheel (ops compile at run time).
+      "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEEL_CACHE" "$pin"
+    else
+      "$PY" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$WHEEL_CACHE" "$pin"
     fi
   done
   wanted=()
@@ -98,7 +105,7 @@ if [[ $WHEELS -eq 1 ]]; then
   "$PY" "$ROOT/scripts/gpu_check.py" wheels "$STAGE/wheels" --check-gpu-machine
 else
   rm -f "$STAGE"/wheels/*.whl
-  echo "wheels: none staged (--no-wheels): the GPU machine would lack datasets and deepspeed"
+  echo "wheels: none staged: the GPU machine would lack datasets and deepspeed"
 fi
 
 # 4. Size, then what to run.

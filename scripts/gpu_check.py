@@ -88,7 +88,7 @@ GPU = Mode("gpu", ["--model", "distilbert-base-uncased", "--random-init"], "cuda
            test_size=120, full=dict(train=35_000, validation=5_000, test=10_000), probe_window=(10, 10, 5),
            budget_s=470, prior_s={"eager": 45, "compiled": 150})
 DRY = Mode("dry", ["--model", "tiny"], "cpu", 128, steps=8, val_size=48, test_size=24,
-           full=dict(train=240, validation=48, test=48), probe_window=(3, 3, 2),
+           full=dict(train=60, validation=24, test=24), probe_window=(3, 3, 2),
            budget_s=1800, prior_s={"eager": 40, "compiled": 400})
 
 

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh --out DIR                  # any machine with one CUDA GPU and fastpt's requirements
 #   bash scripts/gpu_check.sh --stage .stage --out DIR   # the offline GPU machine, after scripts/device_stage.sh
-#   bash scripts/gpu_check.sh --dry [--no-wheels]        # here, on the CPU: stages, then runs it all (tiny model)
+#   bash scripts/gpu_check.sh --dry [--offline]          # here, on the CPU: stages, then runs it all (tiny model)
 #
 # Steps: (1) --dry only: scripts/device_stage.sh into --stage (default .stage); (2) the staged
 # wheels go into a target folder on PYTHONPATH (pip --no-index --no-deps; in --dry, those this
@@ -28,7 +28,7 @@ while [[ $# -gt 0 ]]; do
     --dry) DRY=1; shift ;;
     --stage) STAGE="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
-    --no-wheels) STAGE_ARGS+=(--no-wheels); shift ;;
+    --no-wheels|--offline) STAGE_ARGS+=("$1"); shift ;;
     --wheel-cache) STAGE_ARGS+=(--wheel-cache "$2"); shift 2 ;;
     --data-dir) STAGE_ARGS+=(--data-dir "$2"); DRIVER_ARGS+=(--data-dir "$2"); shift 2 ;;
     --rows|--budget|--best-flags|--cache-dir|--runs-dir) DRIVER_ARGS+=("$1" "$2"); shift 2 ;;
@@ -62,6 +62,7 @@ check() {
     fi
     if [[ ${#wheels[@]} -gt 0 ]]; then
       SITE="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check-site.XXXXXX")"
+      trap 'rm -rf "$SITE"' EXIT
       echo "== installing ${#wheels[@]} staged wheels into $SITE"
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
       export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -71,7 +72,7 @@ check() {
     DRIVER_ARGS+=(--stage "$STAGE")
   fi
   if [[ -n "$STAGE" || $DRY -eq 1 ]]; then export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1; fi
-  export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+  export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 HF_DATASETS_DISABLE_PROGRESS_BARS=1
   if [[ $DRY -eq 0 ]]; then
     export FASTPT_CACHE_DIR="${FASTPT_CACHE_DIR:-$ROOT/.cache/fastpt}"
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv || true
