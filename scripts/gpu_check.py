@@ -337,9 +337,14 @@ def run(args) -> int:
     for step, result in setup.items():
         print(f"{step}: {result}", flush=True)
 
-    cache_path, seconds = build_token_cache(args, mode.model[1], mode.max_length)
-    setup["token_cache"] = f"{Path(cache_path).name}, ready in {seconds:.0f} s"
-    print(f"token cache: {cache_path} ({seconds:.0f} s)", flush=True)
+    try:
+        cache_path, seconds = build_token_cache(args, mode.model[1], mode.max_length)
+        setup["token_cache"] = f"{Path(cache_path).name}, ready in {seconds:.0f} s"
+    except Exception as e:  # noqa: BLE001 - e.g. datasets missing: the report still says why
+        setup["token_cache"] = f"FAILED: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        for row in rows:
+            row.status = row.status if row.status != "pending" else "skipped: no token cache"
+    print(f"token cache: {setup['token_cache']}", flush=True)
     done: list[Row] = []
     for row in rows:
         if row.status == "pending":
@@ -357,7 +362,7 @@ def run(args) -> int:
         failed.append("best-probe (sync check)")
     print(f"written: {out}/gpu_check.md, gpu_check.json, gpu_check.png{', profile.txt' if profile else ''}"
           + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
-    return 1 if failed or setup["tokenizer"].startswith("FAILED") else 0
+    return 1 if failed or any(str(v).startswith("FAILED") for v in setup.values()) else 0
 
 
 # --------------------------------------------------------------------------- report
