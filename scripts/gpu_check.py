@@ -203,17 +203,20 @@ class Budget:
     @staticmethod
     def estimate(row: Row, done: list[Row], mode: Mode) -> float:
         if row.kind == "full":
-            return full_run_estimate(done, mode)
+            return full_run_estimate(row, done, mode)
         kind = "compiled" if row.compiled else "eager"
         seen = [r.wall_s for r in done if r.wall_s and r.compiled == row.compiled and r.status == "ok"]
         return 1.15 * (max(seen) if seen else mode.prior_s[kind])
 
 
-def full_run_estimate(done: list[Row], mode: Mode) -> float:
-    """The best row's start-up and compile, plus 3 epochs at its measured speeds."""
-    best = next((r for r in done if r.name == "best" and r.status == "ok"), None)
-    if best is None or not best.result.get("samples_per_s"):
+def full_run_estimate(full: Row, done: list[Row], mode: Mode) -> float:
+    """A short run of the same flags (the best row, else its probe): its start-up and compile,
+    plus 3 epochs at its measured speeds."""
+    measured = sorted((r for r in done if r.flags == full.flags and r.status == "ok" and r.result.get("samples_per_s")),
+                      key=lambda r: r.kind != "measure")
+    if not measured:
         return float("inf")
+    best = measured[0]
     train_s = ARTICLE["epochs"] * mode.full["train"] / best.result["samples_per_s"]
     eval_rate = measured_val_rate(best.result, mode) or 3 * best.result["samples_per_s"]  # forward only: ~3x
     eval_s = (ARTICLE["epochs"] * mode.full["validation"] + mode.full["test"]) / eval_rate
@@ -240,7 +243,7 @@ def run_row(row: Row, mode: Mode, args, budget: Budget, done: list[Row]) -> None
     left = budget.left()
     needed = Budget.estimate(row, done, mode)
     if needed > left:
-        why = "no measured best row to estimate it from" if needed == float("inf") else f"needs ~{needed:.0f} s"
+        why = "no short run of its flags to estimate it from" if needed == float("inf") else f"needs ~{needed:.0f} s"
         row.status = f"skipped: {why}, {max(left, 0):.0f} s left"
         print(f"[{row.name}] {row.status}", flush=True)
         return

@@ -95,6 +95,10 @@ def test_a_row_that_would_overrun_is_skipped_and_marked(tmp_path):
     compiled = Row("fp16-compile", "fastpt", ["--amp", "--compile"], status="ok", wall_s=100.0)
     assert Budget.estimate(Row("best", "fastpt", ["--compile"]), [compiled], DRY) == pytest.approx(115.0)
     assert Budget.estimate(Row("best-full-run", "fastpt", [], kind="full"), [compiled], DRY) == float("inf")
+    best = Row("best", "fastpt", ["--amp"], status="ok", wall_s=100.0, result={"samples_per_s": 12.0})
+    # its start-up and compile, 3 epochs of 60 at 12/s, 3 x 24 + 24 evaluated at ~3x the training rate
+    expected = 1.15 * (100 + 3 * 60 / 12 + (3 * 24 + 24) / 36)
+    assert Budget.estimate(Row("best-full-run", "fastpt", ["--amp"], kind="full"), [best], DRY) == pytest.approx(expected)
 
 
 def test_mfu_counts_real_tokens_under_either_results_format():
@@ -108,7 +112,7 @@ def test_mfu_counts_real_tokens_under_either_results_format():
     assert ours["article_train_min"] == pytest.approx(3 * 35_000 / 10 / 60)
 
 
-@pytest.mark.slow  # five short training processes on the tiny model: about a minute on 2 idle cores
+@pytest.mark.slow  # three short training processes on the tiny model: about a minute on 2 busy cores
 def test_dry_run_stages_and_runs_the_gpu_check_end_to_end(imdb_dir, tmp_path):
     """Staging as for the GPU machine (wheels only from the local cache: no download in tests),
     then the check itself: Lightning paired with fastpt, the probe, the full run, the report."""
@@ -116,7 +120,7 @@ def test_dry_run_stages_and_runs_the_gpu_check_end_to_end(imdb_dir, tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "FASTPT_CACHE_DIR": str(tmp_path / "cache")}
     command = ["bash", "scripts/gpu_check.sh", "--dry", "--offline", "--wheel-cache", str(ROOT / ".cache" / "wheels"),
                "--stage", str(stage), "--data-dir", str(imdb_dir), "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
-               "--rows", "fp32,fp32-lightning,best-probe,best-full-run", "--no-compile"]
+               "--rows", "fp32-lightning,best-probe,best-full-run", "--no-compile"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
@@ -129,8 +133,7 @@ def test_dry_run_stages_and_runs_the_gpu_check_end_to_end(imdb_dir, tmp_path):
     assert report["setup"]["tokenizer"].startswith("ok")  # the staged cache, offline, gave the BERT ids
     wheels = report["setup"].get("staged_wheels")
     assert wheels is None or "requirements all met" in wheels
-    assert rows["fp32"]["figures"]["samples_per_s"] > 0
-    assert rows["fp32-lightning"]["figures"]["fastpt_over_lightning"] > 0
+    assert rows["fp32-lightning"]["figures"]["samples_per_s"] > 0
     probe = rows["best-probe"]["probe"]
     assert probe["passed"] and probe["steps"] == sum(DRY.probe_window) + 1
     assert probe["sync_window"] == [4, 6] and probe["profile_window"] == [7, 8]
