@@ -364,6 +364,7 @@ def run(args) -> int:
     probe = next((r for r in rows if r.kind == "probe" and r.status == "ok"), None)
     if probe is not None and not probe.probe.get("passed"):
         failed.append("best-probe (sync check)")
+    print("\n" + (out / "gpu_check.md").read_text(), flush=True)  # the end of the output is what a remote call shows
     print(f"written: {out}/gpu_check.md, gpu_check.json, gpu_check.png{', profile.txt' if profile else ''}"
           + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed or any(str(v).startswith("FAILED") for v in setup.values()) else 0
