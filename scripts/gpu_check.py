@@ -33,6 +33,7 @@ import functools
 import importlib.metadata
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -254,6 +255,7 @@ def run_row(row: Row, mode: Mode, args, budget: Budget, done: list[Row]) -> None
     timeout = min(left, max(3 * needed, 120))
     print(f"[{row.name}] {' '.join(command[1:])}", flush=True)
     rc, row.wall_s = run_logged(command, out / "run.log", timeout, env={"TOKENIZERS_PARALLELISM": "false"})
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # only the numbers are kept: full-size checkpoints are hundreds of MB
     if row.kind == "probe" and (out / "probe.json").exists():
         row.probe = json.loads((out / "probe.json").read_text())
     if rc != 0 or not (out / "results.json").exists():
@@ -335,6 +337,9 @@ def run(args) -> int:
         setup["staged_wheels"] = check_requirements_here(Path(args.stage) / "wheels")
     best_flags, best_note = choose_best_flags(args)
     notes.append(best_note)
+    if mode is DRY:
+        notes.append("dry run: a few steps of the tiny model on a CPU prove the script end to end; its speeds "
+                     "(on a shared CPU, with warm compile caches) say nothing about a GPU")
     if args.no_compile:
         notes.append("--no-compile: every --compile / --compile-mode flag was left out")
     rows = plan_rows(args, best_flags)
