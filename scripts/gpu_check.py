@@ -255,7 +255,7 @@ def run_row(row: Row, mode: Mode, args, budget: Budget, done: list[Row]) -> None
     timeout = min(left, max(3 * needed, 120))
     print(f"[{row.name}] {' '.join(command[1:])}", flush=True)
     rc, row.wall_s = run_logged(command, out / "run.log", timeout, env={"TOKENIZERS_PARALLELISM": "false"})
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # only the numbers are kept: full-size checkpoints are hundreds of MB
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # keep the numbers: full-size checkpoints are large
     if row.kind == "probe" and (out / "probe.json").exists():
         row.probe = json.loads((out / "probe.json").read_text())
     if rc != 0 or not (out / "results.json").exists():
@@ -414,7 +414,8 @@ def write_report(out: Path, mode: Mode, args, env: dict, setup: dict, notes: lis
     table = {r.name: figures(r, rows, mode) for r in rows if r.status == "ok" and r.kind == "measure"}
     lines = [f"# GPU check ({mode.name})", "",
              f"`bash scripts/gpu_check.sh{' --dry' if mode is DRY else ''}`, "
-             f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}, {wall_s:.0f} s of a {args.budget or mode.budget_s:.0f} s "
+             f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}, {wall_s:.0f} s of a "
+             f"{args.budget or mode.budget_s:.0f} s "
              f"budget. Machine: {env['device']}, Python {env['python']}, torch {env['torch']}, transformers "
              f"{env['transformers']}, Lightning {env['lightning']}, datasets {env['datasets']}, "
              f"DeepSpeed {env['deepspeed']}.", "",
@@ -436,7 +437,8 @@ def write_report(out: Path, mode: Mode, args, env: dict, setup: dict, notes: lis
         first = _f(f["first_step_s"], ".1f", " s") + (f" ({f['compile_time_s']:.1f} s)" if f["compile_time_s"] else "")
         lines.append(f"| {r.name} | {r.framework} | {flags} | {_f(f['samples_per_s'], '.1f')} | "
                      f"{_f(f['real_tokens_per_s'], '.0f')} | {_f(f['mfu_real'] and 100 * f['mfu_real'], '.1f', '%')} | "
-                     f"{_f(f['peak_memory_gib'], '.2f', ' GiB')} | {first} | {_f(f['article_train_min'], '.2f', ' min')} | "
+                     f"{_f(f['peak_memory_gib'], '.2f', ' GiB')} | {first} | "
+                     f"{_f(f['article_train_min'], '.2f', ' min')} | "
                      f"{_f(f['article_val_min'], '.2f', ' min')} | {_f(f['fastpt_over_lightning'], '.2f', 'x')} | "
                      f"{_f(f['over_fp32'], '.2f', 'x')} |")
     lines += ["", "Rates are over the steps after warm-up; article times extrapolate them to the articles' run "
@@ -489,7 +491,8 @@ def full_run_section(rows: list[Row], mode: Mode) -> list[str]:
     return lines + [
         f"{epochs} epochs of {n['train']:,} reviews, validation on {n['validation']:,} after each, test on "
         f"{n['test']:,}: {row.wall_s:.1f} s end to end (process start to exit); training with validation "
-        f"(train_time_s) {_f(r.get('train_time_s'), '.1f', ' s')}, of which compile {_f(r.get('compile_time_s'), '.1f', ' s')} "
+        f"(train_time_s) {_f(r.get('train_time_s'), '.1f', ' s')}, of which compile "
+        f"{_f(r.get('compile_time_s'), '.1f', ' s')} "
         f"(first step {_f(r.get('first_step_s'), '.1f', ' s')}); without compile "
         f"{_f(r.get('train_time_no_compile_s'), '.1f', ' s')}; validation {_f(r.get('val_time_s'), '.1f', ' s')}; "
         f"{_f(r.get('samples_per_s'), '.1f')} samples/s; test accuracy {_f(r.get('test_acc'), '.4f')} "
@@ -535,7 +538,8 @@ def probe(argv: list[str]) -> int:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
             state["sync_window_done"] = True
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            kinds = torch.profiler.ProfilerActivity
+            activities = [kinds.CPU, kinds.CUDA] if cuda else [kinds.CPU]
             state["profiler"] = torch.profiler.profile(activities=activities)
             state["profiler"].__enter__()
         if step == profile_end and state["profiler"] is not None:
@@ -660,8 +664,9 @@ def check_requirements_here(wheels_dir: Path) -> str:
     """The staged wheels (installed by the wrapper where this Python can) against what is installed."""
     fits, others = installable_wheels(wheels_dir)
     problems, _ = check_requirements(wheels_dir, installed_version)
-    left = f" ({len(others)} left to the GPU machine's Python 3.12: {' '.join(w.name for w in others)})" if others else ""
-    return (f"{len(fits)} installed{left}; requirements " + ("all met" if not problems else "unmet: " + "; ".join(problems)))
+    names = " ".join(w.name for w in others)
+    left = f" ({len(others)} left to the GPU machine's Python 3.12: {names})" if others else ""
+    return f"{len(fits)} installed{left}; requirements " + ("unmet: " + "; ".join(problems) if problems else "all met")
 
 
 def installable_wheels(wheels_dir: Path) -> tuple[list[Path], list[Path]]:
@@ -689,7 +694,8 @@ def stage_tokenizer(hub_cache: Path) -> Path:
     entry = hub_cache / "models--distilbert-base-uncased"
     snapshot = entry / "snapshots" / STAGED_SNAPSHOT
     snapshot.mkdir(parents=True, exist_ok=True)
-    files = {name: (minilm_dir() / name).read_bytes() for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json")}
+    files = {name: (minilm_dir() / name).read_bytes()
+             for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json")}
     files["tokenizer_config.json"] = json.dumps({"do_lower_case": True, "model_max_length": 512}).encode()
     files["config.json"] = distilbert_base_uncased_config().to_json_string().encode()
     for name, content in files.items():

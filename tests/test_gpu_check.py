@@ -39,7 +39,8 @@ def test_staged_wheel_requirements_are_checked_against_the_gpu_machine(tmp_path)
     make_wheel(tmp_path, "beta", "2.1")
     problems, unverified = gpu_check.check_requirements(tmp_path, gpu_check.gpu_machine_version,
                                                         gpu_check.GPU_MACHINE_MARKERS)
-    assert problems == ["alpha needs numpy>=99, found numpy 2.5.2", "alpha needs nosuchpkg: neither staged nor installed"]
+    assert problems == ["alpha needs numpy>=99, found numpy 2.5.2",
+                        "alpha needs nosuchpkg: neither staged nor installed"]
     assert unverified == ["alpha needs pyarrow>=24"]  # on the machine, version not known here
 
 
@@ -98,11 +99,13 @@ def test_a_row_that_would_overrun_is_skipped_and_marked(tmp_path):
     best = Row("best", "fastpt", ["--amp"], status="ok", wall_s=100.0, result={"samples_per_s": 12.0})
     # its start-up and compile, 3 epochs of 60 at 12/s, 3 x 24 + 24 evaluated at ~3x the training rate
     expected = 1.15 * (100 + 3 * 60 / 12 + (3 * 24 + 24) / 36)
-    assert Budget.estimate(Row("best-full-run", "fastpt", ["--amp"], kind="full"), [best], DRY) == pytest.approx(expected)
+    full = Row("best-full-run", "fastpt", ["--amp"], kind="full")
+    assert Budget.estimate(full, [best], DRY) == pytest.approx(expected)
 
 
 def test_mfu_counts_real_tokens_under_either_results_format():
-    rows = [Row("fp32", "fastpt", [], status="ok", result={"samples_per_s": 10.0, "mfu": 0.4, "padding_efficiency": 0.5}),
+    rows = [Row("fp32", "fastpt", [], status="ok",
+                result={"samples_per_s": 10.0, "mfu": 0.4, "padding_efficiency": 0.5}),
             Row("fp32-lightning", "lightning", [], pair="fp32", status="ok",
                 result={"samples_per_s": 8.0, "real_tokens_per_s": 100.0, "mfu": 0.3})]
     ours, theirs = (gpu_check.figures(r, rows, DRY) for r in rows)
@@ -119,7 +122,8 @@ def test_dry_run_stages_and_runs_the_gpu_check_end_to_end(imdb_dir, tmp_path):
     out, stage = tmp_path / "out", tmp_path / "stage"
     env = {**os.environ, "PYTHON": sys.executable, "FASTPT_CACHE_DIR": str(tmp_path / "cache")}
     command = ["bash", "scripts/gpu_check.sh", "--dry", "--offline", "--wheel-cache", str(ROOT / ".cache" / "wheels"),
-               "--stage", str(stage), "--data-dir", str(imdb_dir), "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
+               "--stage", str(stage), "--data-dir", str(imdb_dir), "--out", str(out),
+               "--runs-dir", str(tmp_path / "runs"),
                "--rows", "fp32-lightning,best-probe,best-full-run", "--no-compile"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
