@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import common
+from fastpt import metrics
 
 PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 
@@ -91,6 +92,7 @@ class TrainTimer(Callback):
         self.meter = meter
         self.train_time_s = 0.0
         self.epoch_start = None
+        self.first_step_s = None  # as fastpt's: the first optimiser step, compilation included
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.epoch_start = time.perf_counter()
@@ -99,6 +101,9 @@ class TrainTimer(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         common.record_batch(self.meter, batch)
         self.meter.end_step()
+        if self.first_step_s is None:
+            metrics.synchronize(self.meter.device)
+            self.first_step_s = time.perf_counter() - self.epoch_start
 
     def on_validation_start(self, trainer, pl_module):
         self.meter.read()  # the training part of the epoch ends here
@@ -144,7 +149,7 @@ def main(argv=None) -> int:
         results = common.write_results(
             out, "lightning", args, test=module.test_metrics, history=module.history,
             train_time_s=timer.train_time_s, meter=meter, world_size=world_size,
-            global_steps=trainer.global_step, device=device, extra={"lightning": L.__version__})
+            global_steps=trainer.global_step, device=device, extra={"lightning": L.__version__, "first_step_s": timer.first_step_s})
         print(f"lightning: test acc {results['test_acc']:.4f} | train time {results['train_time_s']:.1f} s | "
               f"{results['samples_per_s']:.1f} samples/s")
     return 0
