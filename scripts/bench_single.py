@@ -13,6 +13,9 @@ first configuration and the time the article's run (3 epochs of 35,000 reviews) 
 at that speed; a PNG bar chart; and the padding efficiency of the real training split at
 512 tokens: every review padded to 512, random batches padded to their longest, and --bucket.
 
+On a CPU the default set trains in bfloat16 only where the CPU computes it natively (AVX512-BF16
+or AMX); on an AVX2 CPU it is float32 throughout, and the first line printed says which.
+
 The throughput numbers are only as quiet as the machine: measure on an otherwise idle one.
 """
 
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +45,8 @@ CONFIGS = {
     "bf16-compile": ["--amp", "--amp-dtype", "bfloat16", "--compile"],
     "bf16-compile-bucket": ["--amp", "--amp-dtype", "bfloat16", "--compile", "--bucket"],
     "bf16-bucket": ["--amp", "--amp-dtype", "bfloat16", "--bucket"],
+    "fp32-compile": ["--compile"],
+    "fp32-compile-bucket": ["--compile", "--bucket"],
     "best": ["--amp", "--compile", "--bucket", "--tf32"],  # fastpt's best single-device configuration
     "fp16-deterministic": ["--amp", "--deterministic"],  # the cost of bitwise-repeatable runs
     "fp32-deterministic": ["--deterministic"],
@@ -51,8 +57,10 @@ CONFIGS = {
 }
 DISTRIBUTED = ("ddp-fp16", "fsdp-fp16", "deepspeed-fp16")
 DEFAULT_CONFIGS = {
-    # float16 autocast on most CPUs is emulated and slow; bfloat16 is the CPU's mixed precision.
+    # float16 autocast on most CPUs is emulated and slow; bfloat16 is the CPU's mixed precision
+    # where the CPU computes it natively (see cpu_fast_precision).
     "cpu": ["fp32", "bf16", "bf16-compile", "bf16-compile-bucket"],
+    "cpu-fp32": ["fp32", "fp32-compile", "fp32-compile-bucket"],
     "cuda": ["fp32", "fp32-tf32", "fp16", "fp16-compile", "fp16-compile-bucket", "bf16", "bf16-compile-bucket",
              "fp16-deterministic"],
 }
@@ -92,7 +100,48 @@ def device_type(choice: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def cpu_fast_precision() -> tuple[str, str]:
+    """("bfloat16" or "float32", why): the CPU's fast training precision.
+
+    bfloat16 is native only with AVX512-BF16 or AMX; on a CPU whose best instruction set is
+    AVX2 (`torch.backends.cpu.get_cpu_capability()`), every bfloat16 operation is converted to
+    and from float32 in software, so mixed precision runs slower than plain float32.
+    """
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    native = any(getattr(torch.cpu, probe, lambda: False)()
+                 for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    if native:
+        return "bfloat16", f"CPU capability {capability} with native bfloat16"
+    return "float32", f"CPU capability {capability}, no native bfloat16: bfloat16 would be emulated, so float32"
+
+
 # --------------------------------------------------------------------------- running
+
+def run_logged(command: list[str], log_path: Path, timeout: float, env: dict | None = None) -> tuple[object, float]:
+    """Run one command with its output in log_path: (exit code or "timeout", wall seconds).
+
+    The command runs in a process group of its own, killed whole on timeout: torchrun's workers
+    and compiler subprocesses would otherwise outlive it, holding the GPU or a build lock.
+    """
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+                                     **(env or {})})
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    return rc, time.perf_counter() - start
+
+
+def log_tail(log_path: Path, lines: int = 3) -> list[str]:
+    return log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+
 
 def train_command(args, name: str, out: Path) -> list[str]:
     flags = ["--model", args.model, "--max-length", str(args.max_length), "--batch-size", str(args.batch_size),
@@ -116,19 +165,11 @@ def run_config(args, name: str, timeout: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     command = train_command(args, name, out)
     print(f"[{name}] {' '.join(command[1:])}", flush=True)
-    start = time.perf_counter()
-    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-    with open(out / "bench.log", "w") as log:
-        try:
-            rc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall = time.perf_counter() - start
+    rc, wall = run_logged(command, out / "bench.log", timeout)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # only the numbers are kept
     results_file = out / "results.json"
     if rc != 0 or not results_file.exists():
-        tail = (out / "bench.log").read_text(errors="replace").strip().splitlines()[-3:]
+        tail = log_tail(out / "bench.log")
         print(f"[{name}] failed ({rc}) after {wall:.0f} s; log: {out / 'bench.log'}\n  " + "\n  ".join(tail), flush=True)
         return {"name": name, "failed": f"exit {rc}", "wall_s": wall}
     results = json.loads(results_file.read_text())
@@ -241,7 +282,12 @@ def bar_chart(rows: list[dict], path: Path, title: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     dev = device_type(args.device)
-    names = args.configs.split(",") if args.configs else DEFAULT_CONFIGS[dev]
+    defaults = DEFAULT_CONFIGS[dev]
+    if dev == "cpu" and not args.configs:
+        precision, why = cpu_fast_precision()
+        print(f"note: {why}", flush=True)
+        defaults = DEFAULT_CONFIGS["cpu" if precision == "bfloat16" else "cpu-fp32"]
+    names = args.configs.split(",") if args.configs else defaults
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         print(f"error: unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}", file=sys.stderr)

@@ -108,12 +108,14 @@ def build_inputs(args, rank: int, world_size: int):
     return model, loaders, train_sampler
 
 
-def make_meter(model, device: torch.device) -> metrics.Throughput:
-    """fastpt's throughput meter (same warm-up, same window), without MFU (peers are compared on speed)."""
+def make_meter(model, device: torch.device, precision: str | None = None) -> metrics.Throughput:
+    """fastpt's throughput meter: same warm-up, same window; with `precision` (one of PRECISIONS)
+    also MFU, with fastpt's formula and peak for that precision."""
     _, n_matmul = count_parameters(model)
     layers, hidden = metrics.model_shape(model)
+    peak = None if precision is None else metrics.device_peak_flops(device, amp=precision != "32", tf32=False)
     return metrics.Throughput(device, WARMUP_STEPS,
-                              lambda seq: metrics.flops_per_token(n_matmul, layers, hidden, seq), None)
+                              lambda seq: metrics.flops_per_token(n_matmul, layers, hidden, seq), peak)
 
 
 def record_batch(meter: metrics.Throughput, batch: dict) -> None:
@@ -139,17 +141,17 @@ def write_results(out: Path, framework: str, args, *, test: dict, history: list,
                   meter: metrics.Throughput, world_size: int, global_steps: int, device: torch.device,
                   extra: dict | None = None) -> dict:
     """results.json with fastpt's field names, so one reader handles all frameworks."""
-    totals = meter.rates()
+    # Every rate the meter gives (samples/s, tokens/s, MFU, ...), under fastpt's names;
+    # per-second rates are rank 0's times the ranks, as in fastpt (ranks run in lockstep).
+    rates = {k: v * world_size if k.endswith("_per_s") else v for k, v in meter.rates().items()}
     results = {
         "framework": framework,
         "test_acc": test["acc"], "test_loss": test["loss"], "test_examples": test["n"], "tested_on": "best",
         "best_val_acc": max((h["val_acc"] for h in history), default=None),
         "epochs_run": len(history), "global_steps": global_steps,
         "train_time_s": train_time_s,
-        "samples_per_s": totals.get("samples_per_s", 0.0) * world_size,
-        "tokens_per_s": totals.get("tokens_per_s", 0.0) * world_size,
-        "padded_tokens_per_s": totals.get("padded_tokens_per_s", 0.0) * world_size,
-        "padding_efficiency": totals.get("padding_efficiency"),
+        "samples_per_s": 0.0, "tokens_per_s": 0.0, "padded_tokens_per_s": 0.0, "padding_efficiency": None,
+        **rates,
         "peak_memory_bytes": metrics.peak_memory_bytes(device),
         "world_size": world_size, "device": str(device), "precision": args.precision,
         "history": history, "torch": torch.__version__, "config": vars(args),

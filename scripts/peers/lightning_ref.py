@@ -13,6 +13,9 @@ did differently, and why it is changed here so that only the framework differs:
 - accuracy is a weighted count reduced over ranks instead of torchmetrics (same numbers);
 - no sanity-check validation (`num_sanity_val_steps=0`): fastpt runs none.
 
+`--compile` compiles the model as the articles did, `model = torch.compile(model)` before
+`Trainer.fit` (fastpt's `--compile`).
+
 Lightning is needed by this script only: `pip install -r requirements-peers.txt`.
 """
 
@@ -29,6 +32,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import common
+from fastpt import metrics
 
 PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 
@@ -88,6 +92,7 @@ class TrainTimer(Callback):
         self.meter = meter
         self.train_time_s = 0.0
         self.epoch_start = None
+        self.first_step_s = None  # as fastpt's: the first optimiser step, compilation included
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.epoch_start = time.perf_counter()
@@ -96,6 +101,9 @@ class TrainTimer(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         common.record_batch(self.meter, batch)
         self.meter.end_step()
+        if self.first_step_s is None:
+            metrics.synchronize(self.meter.device)
+            self.first_step_s = time.perf_counter() - self.epoch_start
 
     def on_validation_start(self, trainer, pl_module):
         self.meter.read()  # the training part of the epoch ends here
@@ -108,15 +116,17 @@ class TrainTimer(Callback):
 
 
 def main(argv=None) -> int:
-    args = common.build_parser("lightning_ref.py").parse_args(argv)
+    parser = common.build_parser("lightning_ref.py")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model before Trainer.fit")
+    args = parser.parse_args(argv)
     rank, world_size = common.rank_and_world()
     model, loaders, _ = common.build_inputs(args, rank, world_size)
     on_cuda = common.use_cuda(args)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
-    meter = common.make_meter(model, device)
+    meter = common.make_meter(model, device, args.precision)
     timer = TrainTimer(meter)
     out = Path(args.out)
-    module = LightningModel(model, args.lr)
+    module = LightningModel(torch.compile(model) if args.compile else model, args.lr)
     trainer = L.Trainer(
         max_epochs=args.epochs,
         accelerator="gpu" if on_cuda else "cpu",
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
         results = common.write_results(
             out, "lightning", args, test=module.test_metrics, history=module.history,
             train_time_s=timer.train_time_s, meter=meter, world_size=world_size,
-            global_steps=trainer.global_step, device=device, extra={"lightning": L.__version__})
+            global_steps=trainer.global_step, device=device, extra={"lightning": L.__version__, "first_step_s": timer.first_step_s})
         print(f"lightning: test acc {results['test_acc']:.4f} | train time {results['train_time_s']:.1f} s | "
               f"{results['samples_per_s']:.1f} samples/s")
     return 0
