@@ -32,7 +32,7 @@ def evaluate(accelerator: Accelerator, model, loader) -> dict:
     sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
         for batch in loader:
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            batch = common.to_device(batch, accelerator.device)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             sums += common.weighted_sums(logits, batch)
     model.train()
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     accelerator = Accelerator(mixed_precision=MIXED_PRECISION[args.precision], cpu=not common.use_cuda(args))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
-    meter = common.make_meter(accelerator.unwrap_model(model), accelerator.device)
+    meter = common.make_meter(accelerator.unwrap_model(model), accelerator.device, args.precision)
     out = Path(args.out)
     best_path = out / "checkpoints" / "best.pt"
     best_val_acc, history, train_time_s, global_step = None, [], 0.0, 0
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         model.train()
         meter.start()
         for batch in loaders["train"]:
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            batch = common.to_device(batch, accelerator.device)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss = F.cross_entropy(logits.float(), batch["labels"])
             accelerator.backward(loss)

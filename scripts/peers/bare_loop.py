@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     args = common.build_parser("bare_loop.py").parse_args(argv)
     model, loaders, sampler = common.build_inputs(args, 0, 1)
     device = torch.device("cuda" if common.use_cuda(args) else "cpu")
-    model, meter = model.to(device), common.make_meter(model, device)
+    model, meter = model.to(device), common.make_meter(model, device, args.precision)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(args.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         sampler.set_epoch(epoch)
         meter.start()
         for batch in loaders["train"]:
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = common.to_device(batch, device)
             with autocast():
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss = F.cross_entropy(logits.float(), batch["labels"])

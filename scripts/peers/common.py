@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fastpt import data, imdb, metrics  # noqa: E402
+from fastpt import data, metrics  # noqa: E402
 from fastpt.models import count_parameters, load_model, load_tokenizer  # noqa: E402
 from fastpt.trainer import WARMUP_STEPS, seed_everything  # noqa: E402
 
@@ -69,20 +68,10 @@ def use_cuda(args) -> bool:
 def load_splits(args, tokenizer, rank: int) -> dict:
     """fastpt's cached split, cut to the same subsets as train.py's --train/val/test-size.
 
-    Rank 0 builds the cache if it is missing; other ranks wait for it on disk, since the
-    frameworks create their process groups only later.
+    Every rank asks for it: the first builds the cache under its lock file, the others wait
+    on that lock and read the finished cache (the frameworks create their process groups later).
     """
-    root = Path(args.cache_dir) if args.cache_dir else data.default_cache_dir()
-    source = imdb.find_source(args.data_dir)
-    path = root / f"imdb-{data.cache_key(source, tokenizer, args.max_length)}"
-    if rank == 0:
-        data.prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
-    deadline = time.time() + 600
-    while not (path / "dataset_dict.json").exists():
-        if time.time() > deadline:
-            raise TimeoutError(f"rank {rank}: no tokenised cache at {path} after 10 minutes")
-        time.sleep(0.5)
-    splits = data.load_cache(path)
+    splits, _ = data.prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
     return {"train": splits["train"].head(args.train_size),
             "validation": splits["validation"].head(args.val_size),
             "test": splits["test"].head(args.test_size)}
@@ -115,13 +104,17 @@ def make_meter(model, device: torch.device, precision: str | None = None) -> met
     layers, hidden = metrics.model_shape(model)
     peak = None if precision is None else metrics.device_peak_flops(device, amp=precision != "32", tf32=False)
     return metrics.Throughput(device, WARMUP_STEPS,
-                              lambda seq: metrics.flops_per_token(n_matmul, layers, hidden, seq), peak)
+                              lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak)
 
 
 def record_batch(meter: metrics.Throughput, batch: dict) -> None:
-    """One training batch into the meter, as fastpt's loop records it (tokens counted on the host)."""
-    ids = batch["input_ids"]
-    meter.record(ids.shape[0], int(batch["attention_mask"].sum()), ids.numel(), ids.shape[1], 0.0)
+    """One training batch into the meter, as fastpt's loop records it (the collator's host-side counts)."""
+    meter.record(batch["lengths"], batch["num_tokens"], 0.0)
+
+
+def to_device(batch: dict, device) -> dict:
+    """The batch's tensors on the device; the collator's host-side counts stay as they are."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def weighted_sums(logits: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -141,17 +134,13 @@ def write_results(out: Path, framework: str, args, *, test: dict, history: list,
                   meter: metrics.Throughput, world_size: int, global_steps: int, device: torch.device,
                   extra: dict | None = None) -> dict:
     """results.json with fastpt's field names, so one reader handles all frameworks."""
-    # Every rate the meter gives (samples/s, tokens/s, MFU, ...), under fastpt's names;
-    # per-second rates are rank 0's times the ranks, as in fastpt (ranks run in lockstep).
-    rates = {k: v * world_size if k.endswith("_per_s") else v for k, v in meter.rates().items()}
     results = {
         "framework": framework,
         "test_acc": test["acc"], "test_loss": test["loss"], "test_examples": test["n"], "tested_on": "best",
         "best_val_acc": max((h["val_acc"] for h in history), default=None),
         "epochs_run": len(history), "global_steps": global_steps,
         "train_time_s": train_time_s,
-        "samples_per_s": 0.0, "tokens_per_s": 0.0, "padded_tokens_per_s": 0.0, "padding_efficiency": None,
-        **rates,
+        **metrics.rate_results(meter, world_size),  # fastpt's own speed block, the same names and rules
         "peak_memory_bytes": metrics.peak_memory_bytes(device),
         "world_size": world_size, "device": str(device), "precision": args.precision,
         "history": history, "torch": torch.__version__, "config": vars(args),
@@ -165,4 +154,4 @@ def write_results(out: Path, framework: str, args, *, test: dict, history: list,
 
 
 __all__ = ["ROOT", "WARMUP_STEPS", "PRECISIONS", "build_parser", "rank_and_world", "use_cuda", "build_inputs",
-           "make_meter", "record_batch", "weighted_sums", "sums_to_metrics", "write_results"]
+           "make_meter", "record_batch", "to_device", "weighted_sums", "sums_to_metrics", "write_results"]
