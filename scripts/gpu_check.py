@@ -62,8 +62,6 @@ ARTICLE_CONFIGS = [
 # one fused Adam kernel, and large evaluation batches.
 BEST_FLAGS = ["--amp", "--amp-dtype", "bfloat16", "--pack", "--pack-multiple", "256", "--compile",
               "--compile-mode", "reduce-overhead", "--data-on-device", "--fused-adam", "--eval-batch-size", "128"]
-# Used while train.py lacks a flag of BEST_FLAGS: the best of what it has (the report says so).
-STAND_IN_BEST_FLAGS = ["--amp", "--amp-dtype", "bfloat16", "--bucket", "--compile", "--fused-adam"]
 
 # "Hello World, this is a Movie!" in the uncased BERT WordPiece vocabulary.
 TOKENIZER_PROBE = ("Hello World, this is a Movie!", [101, 7592, 2088, 1010, 2023, 2003, 1037, 3185, 999, 102])
@@ -155,17 +153,10 @@ def strip_compile(flags: list[str]) -> list[str]:
 
 
 def choose_best_flags(args) -> tuple[list[str], str]:
-    """BEST_FLAGS where train.py has all of them, else the stand-in; and a note saying which."""
+    """BEST_FLAGS, or the flags given with --best-flags; and a note saying which."""
     if args.best_flags:
         return args.best_flags.split(), "best row: flags given with --best-flags"
-    from fastpt.config import build_parser
-
-    known = build_parser()._option_string_actions
-    missing = [f for f in BEST_FLAGS if f.startswith("--") and f not in known]
-    if not missing:
-        return list(BEST_FLAGS), "best row: BEST_FLAGS"
-    return list(STAND_IN_BEST_FLAGS), (f"best row: stand-in flags, since train.py has no {' '.join(missing)} "
-                                       f"(BEST_FLAGS: {' '.join(BEST_FLAGS)})")
+    return list(BEST_FLAGS), f"best row: BEST_FLAGS ({' '.join(BEST_FLAGS)})"
 
 
 def row_command(row: Row, mode: Mode, args, out: Path) -> list[str]:

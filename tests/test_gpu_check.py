@@ -60,20 +60,15 @@ def test_staged_tokenizer_loads_offline_as_distilbert_base_uncased(tmp_path):
     assert tokenizer.model_max_length == 512
 
 
-def test_best_row_uses_a_stand_in_until_train_py_has_every_flag(monkeypatch):
-    from fastpt.config import build_parser
+def test_best_row_flags_are_train_py_flags():
+    from fastpt.config import build_parser, parse_args
 
     known = build_parser()._option_string_actions
-    assert all(f in known for f in gpu_check.STAND_IN_BEST_FLAGS if f.startswith("--"))
-    args = Namespace(best_flags=None)
-    flags, note = gpu_check.choose_best_flags(args)
-    missing = [f for f in gpu_check.BEST_FLAGS if f.startswith("--") and f not in known]
-    if missing:  # until the packing and on-device data flags land in train.py
-        assert flags == gpu_check.STAND_IN_BEST_FLAGS and all(f in note for f in missing)
-    else:
-        assert flags == gpu_check.BEST_FLAGS
-    monkeypatch.setattr(gpu_check, "BEST_FLAGS", ["--amp", "--compile"])
-    assert gpu_check.choose_best_flags(args) == (["--amp", "--compile"], "best row: BEST_FLAGS")
+    assert all(f in known for f in gpu_check.BEST_FLAGS if f.startswith("--"))
+    parse_args(gpu_check.BEST_FLAGS)  # and valid together
+    flags, note = gpu_check.choose_best_flags(Namespace(best_flags=None))
+    assert flags == gpu_check.BEST_FLAGS and "BEST_FLAGS" in note
+    assert gpu_check.choose_best_flags(Namespace(best_flags="--amp --pack"))[0] == ["--amp", "--pack"]
 
 
 def test_rows_pair_each_article_configuration_with_lightning():
