@@ -47,7 +47,15 @@ CONFIGS = {
     "bf16-bucket": ["--amp", "--amp-dtype", "bfloat16", "--bucket"],
     "fp32-compile": ["--compile"],
     "fp32-compile-bucket": ["--compile", "--bucket"],
-    "best": ["--amp", "--compile", "--bucket", "--tf32"],  # fastpt's best single-device configuration
+    "fp32-bucket": ["--bucket"],
+    "fp32-pack": ["--pack"],  # padding-free batches
+    "bf16-pack": ["--amp", "--amp-dtype", "bfloat16", "--pack"],
+    "fp32-pack-compile": ["--pack", "--compile"],
+    "bf16-pack-compile": ["--amp", "--amp-dtype", "bfloat16", "--pack", "--compile"],
+    # fastpt's best single-GPU configuration: packed, bf16, the compiled step replayed as CUDA graphs
+    # over a few rounded shapes, batches gathered on the GPU, one fused Adam kernel.
+    "best": ["--amp", "--amp-dtype", "bfloat16", "--pack", "--pack-multiple", "256", "--compile",
+             "--compile-mode", "reduce-overhead", "--data-on-device", "--fused-adam"],
     "fp16-deterministic": ["--amp", "--deterministic"],  # the cost of bitwise-repeatable runs
     "fp32-deterministic": ["--deterministic"],
     # Multi-process strategies, launched with torchrun --nproc_per_node=--nproc.
@@ -59,10 +67,10 @@ DISTRIBUTED = ("ddp-fp16", "fsdp-fp16", "deepspeed-fp16")
 DEFAULT_CONFIGS = {
     # float16 autocast on most CPUs is emulated and slow; bfloat16 is the CPU's mixed precision
     # where the CPU computes it natively (see cpu_fast_precision).
-    "cpu": ["fp32", "bf16", "bf16-compile", "bf16-compile-bucket"],
-    "cpu-fp32": ["fp32", "fp32-compile", "fp32-compile-bucket"],
-    "cuda": ["fp32", "fp32-tf32", "fp16", "fp16-compile", "fp16-compile-bucket", "bf16", "bf16-compile-bucket",
-             "fp16-deterministic"],
+    "cpu": ["fp32", "fp32-bucket", "fp32-pack", "bf16-pack", "fp32-pack-compile"],
+    "cpu-fp32": ["fp32", "fp32-bucket", "fp32-pack", "fp32-pack-compile"],
+    "cuda": ["fp32", "fp32-tf32", "fp16", "fp16-compile", "fp16-compile-bucket", "bf16", "bf16-pack",
+             "bf16-pack-compile", "best", "fp16-deterministic"],
 }
 ARTICLE = {"epochs": 3, "train_reviews": 35_000}
 
@@ -177,7 +185,8 @@ def run_config(args, name: str, timeout: float) -> dict:
           f"{wall:.0f} s in all", flush=True)
     return {"name": name, "flags": " ".join(CONFIGS[name]), "wall_s": wall, **{k: results.get(k) for k in (
         "samples_per_s", "tokens_per_s", "padded_tokens_per_s", "padding_efficiency", "mfu", "data_wait_share",
-        "peak_memory_bytes", "first_step_s", "world_size", "device_name", "torch")}}
+        "peak_memory_bytes", "first_step_s", "compiled_graphs", "batch_shapes", "world_size", "device_name",
+        "torch")}}
 
 
 # --------------------------------------------------------------------------- reporting
@@ -189,7 +198,27 @@ def padding_report(args) -> dict:
     default = TrainConfig.bucket_multiplier
     report = split_padding(args.data_dir, args.cache_dir, args.model, args.batch_size, multipliers=(default,))
     report["bucket"] = report.pop("bucket_by_multiplier")[default]
+    report["pack"] = packed_shapes(args.data_dir, args.cache_dir, args.model, args.batch_size)
     return report
+
+
+def packed_shapes(data_dir, cache_dir, model: str, batch_size: int, multiples=(None, 64, 128, 256, 512)) -> list:
+    """(multiple, real-token share, distinct batch shapes) of `--pack [--pack-multiple M]` over one epoch
+    of the real training split at 512 tokens: what rounding costs in work, and how many CUDA graphs
+    (one per distinct shape) `--compile-mode reduce-overhead` would record."""
+    from fastpt import data
+    from fastpt.models import load_tokenizer
+
+    splits, _ = data.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
+    train = splits["train"]
+    sampler = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123)
+    sampler.set_epoch(0)
+    totals = [int(train.lengths[b].sum()) for b in sampler]
+    rows = []
+    for m in multiples:
+        rounded = totals if m is None else [-(-t // m) * m for t in totals]
+        rows.append((m, sum(totals) / sum(rounded), len(set(rounded))))
+    return rows
 
 
 def split_padding(data_dir, cache_dir, model: str, batch_size: int, multipliers) -> dict:
@@ -228,11 +257,11 @@ def markdown(args, rows: list[dict], padding: dict | None) -> str:
              f"device {next((r['device_name'] for r in rows if r.get('device_name')), '?')}, "
              f"torch {next((r['torch'] for r in rows if r.get('torch')), '?')}", "",
              "| configuration | flags | samples/s | real tokens/s | padding eff. | MFU | peak memory | "
-             "first step (compile) | speed-up | est. 3 x 35k train steps |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "first step (compile) | graphs | speed-up | est. 3 x 35k train steps |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['name']} | {' '.join(CONFIGS[r['name']])} | {r['failed']} | | | | | | | |")
+            lines.append(f"| {r['name']} | {' '.join(CONFIGS[r['name']])} | {r['failed']} | | | | | | | | |")
             continue
         speedup = r["samples_per_s"] / base["samples_per_s"] if base and base["samples_per_s"] else None
         minutes = total / r["samples_per_s"] / 60 if r["samples_per_s"] else None
@@ -241,19 +270,28 @@ def markdown(args, rows: list[dict], padding: dict | None) -> str:
                      f"{r['tokens_per_s']:.0f} | {_fmt(r['padding_efficiency'], '.3f')} | "
                      f"{_fmt(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
                      f"{r['peak_memory_bytes'] / 2**30:.2f} GiB | {r['first_step_s']:.1f} s | "
-                     f"{_fmt(speedup, '.2f')}x | {_fmt(minutes, '.1f')} min |")
+                     f"{_fmt(r.get('compiled_graphs'), 'd', '–')} | {_fmt(speedup, '.2f')}x | {_fmt(minutes, '.1f')} min |")
     lines += ["", "Speed-up: samples/s over the first row (same reviews, so it is the time ratio). "
               "Estimated time: 3 epochs x 35,000 reviews at the measured samples/s, training steps only "
-              "(validation, testing and compilation excluded). MFU: model FLOPs (6N + 12LdT per token) over "
-              "the device's peak; n/a where the peak is unknown (CPUs). Peak memory: CUDA allocator peak on "
-              "a GPU, process peak RSS on the CPU."]
+              "(validation, testing and compilation excluded). MFU: model FLOPs of the real tokens "
+              "(6N + 12Ldn per token of a review of n tokens) over the device's dense peak (H100/H200: 989 "
+              "TFLOP/s bf16); n/a where the peak is unknown (CPUs). Graphs: graphs TorchDynamo compiled in the "
+              "whole run (training and evaluation). Peak memory: CUDA allocator peak on a GPU, process peak "
+              "RSS on the CPU."]
     if padding:
         lines += ["", f"Padding efficiency on the real IMDB training split ({padding['examples']:,} reviews, "
                   f"mean {padding['mean_tokens']:.0f} tokens, batch {padding['batch_size']}, 512 tokens):", "",
                   "| batches | real / computed tokens |", "|---|---:|",
                   f"| every review padded to 512 (the article) | {padding['pad_to_512']:.3f} |",
                   f"| random batches padded to their longest | {padding['random_batches_to_longest']:.3f} |",
-                  f"| `--bucket` (length-grouped, padded to their longest) | {padding['bucket']:.3f} |"]
+                  f"| `--bucket` (length-grouped, padded to their longest) | {padding['bucket']:.3f} |",
+                  f"| `--pack` (padding-free) | {padding['pack'][0][1]:.3f} |"]
+        lines += ["", "`--pack --pack-multiple M` over one epoch of the same split: the real-token share that "
+                  "rounding leaves, and the distinct batch shapes (a CUDA graph each under "
+                  "`--compile-mode reduce-overhead`):", "",
+                  "| rounding | real / computed tokens | distinct shapes |", "|---|---:|---:|",
+                  *(f"| {'none' if m is None else f'`--pack-multiple {m}`'} | {share:.3f} | {shapes} |"
+                    for m, share, shapes in padding["pack"])]
     return "\n".join(lines) + "\n"
 
 

@@ -57,11 +57,13 @@ ARTICLE_CONFIGS = [
     ("fp16-compile", ["--amp", "--compile"], ["--precision", "16", "--compile"]),
 ]
 
-# fastpt's best single-GPU configuration: the row to tune. Packed batches without padding,
-# bfloat16 autocast, the compiled step replayed as CUDA graphs, the token ids kept on the GPU,
-# one fused Adam kernel, and large evaluation batches.
-BEST_FLAGS = ["--amp", "--amp-dtype", "bfloat16", "--pack", "--pack-multiple", "256", "--compile",
-              "--compile-mode", "reduce-overhead", "--data-on-device", "--fused-adam", "--eval-batch-size", "128"]
+# fastpt's best single-GPU configuration (bench_single.py's "best", the one place to tune it):
+# packed batches without padding, bfloat16 autocast, the compiled step replayed as CUDA graphs,
+# the token ids kept on the GPU, one fused Adam kernel, and large evaluation batches.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_single import CONFIGS  # noqa: E402
+
+BEST_FLAGS = [*CONFIGS["best"], "--eval-batch-size", "128"]
 
 # "Hello World, this is a Movie!" in the uncased BERT WordPiece vocabulary.
 TOKENIZER_PROBE = ("Hello World, this is a Movie!", [101, 7592, 2088, 1010, 2023, 2003, 1037, 3185, 999, 102])
