@@ -81,7 +81,8 @@ def load(path: Path) -> dict:
         raise CheckpointError(f"cannot read checkpoint {path}: {one_line(e, limit=200)} "
                               f"(corrupt or not a checkpoint?)") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {one_line(e, limit=200)} (corrupt or incomplete?)") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {one_line(e, limit=200)} "
+                              f"(corrupt or incomplete?)") from None
 
 
 def to_bytes(obj) -> bytes:

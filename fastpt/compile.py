@@ -69,4 +69,5 @@ def check_compile_supported() -> None:
     except Exception as e:  # pragma: no cover - depends on the interpreter
         raise ValueError(f"--compile is not supported here: {e}") from None
     if not torch._dynamo.is_dynamo_supported():  # pragma: no cover
-        raise ValueError(f"--compile is not supported on Python {sys.version.split()[0]} with torch {torch.__version__}")
+        raise ValueError(f"--compile is not supported on Python {sys.version.split()[0]} "
+                         f"with torch {torch.__version__}")

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
@@ -176,7 +176,6 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, but errors are one line on stderr and exit code 2 (no usage dump).
 
@@ -216,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-dir", default=None,
                    help="folder with aclImdb_v1.tar.gz, the labelled tarball or an extracted aclImdb/ "
                         "(default: $FASTPT_DATA_DIR, else ./data, downloading if missing)")
-    g.add_argument("--cache-dir", default=None, help="tokenised-split cache (default: $FASTPT_CACHE_DIR or ~/.cache/fastpt)")
+    g.add_argument("--cache-dir", default=None,
+                   help="tokenised-split cache (default: $FASTPT_CACHE_DIR or ~/.cache/fastpt)")
     g.add_argument("--max-length", type=int, default=d.max_length, help="tokens per review, truncated")
     g.add_argument("--train-size", type=int, default=None, help="use the first N training reviews")
     g.add_argument("--val-size", type=int, default=None, help="use the first N validation reviews")
@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack", action="store_true",
                    help="padding-free batches: the batch's reviews end to end as one token stream")
     g.add_argument("--pack-multiple", type=int, default=None,
-                   help="with --pack: round each batch's token count up to a multiple of N (few shapes for CUDA graphs)")
+                   help="with --pack: round each batch's token count up to a multiple of N "
+                        "(few shapes for CUDA graphs)")
     g.add_argument("--data-on-device", action="store_true",
                    help="keep the tokenised splits on the device and gather batches there (no workers, no copies)")
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,

@@ -196,7 +196,8 @@ def _source_fingerprint(source: Path) -> str:
 
 def _tokenizer_fingerprint(tokenizer) -> str:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(f"{type(tokenizer).__name__}:{tokenizer.do_lower_case if hasattr(tokenizer, 'do_lower_case') else ''}:{vocab}".encode()).hexdigest()
+    lower = getattr(tokenizer, "do_lower_case", "")
+    return hashlib.sha256(f"{type(tokenizer).__name__}:{lower}:{vocab}".encode()).hexdigest()
 
 
 def cache_key(source: Path, tokenizer) -> str:

@@ -21,7 +21,8 @@ What it costs:
 - Each batch has its own total length T, so a compiled graph sees a new shape every batch:
   the token dimension is marked dynamic before the step (`Strategy.to_device`), so one compiled
   graph serves every length; `PackedCollator(multiple=...)` rounds T up so that CUDA graphs,
-  which record one graph per distinct shape, see only a few shapes. The rounding tokens belong to no review and change no review's output.
+  which record one graph per distinct shape, see only a few shapes. The rounding tokens belong
+  to no review and change no review's output.
 - The model is called through `PackedClassifier`, not the Hugging Face classification forward
   (which reads token 0 of each row). Its state dict is the plain model's, key for key.
 

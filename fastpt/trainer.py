@@ -97,7 +97,8 @@ class Trainer:
     def _build_loaders(self, pad_id: int) -> None:
         cfg, dist = self.cfg, self.dist
         on_cuda = self.device.type == "cuda"
-        workers = cfg.num_workers if cfg.num_workers is not None else data.default_num_workers(on_cuda, dist.local_world_size)
+        workers = (cfg.num_workers if cfg.num_workers is not None
+                   else data.default_num_workers(on_cuda, dist.local_world_size))
         pin = cfg.pin_memory if cfg.pin_memory is not None else on_cuda
         collate = data.make_collator(cfg, pad_id)
         self.train_sampler = data.TrainBatchSampler(self.splits["train"], cfg.batch_size, dist.rank, dist.world_size,
@@ -247,7 +248,9 @@ class Trainer:
         checkpoint.save_atomic(state, self.ckpt_dir / "last.pt")
 
     def _restore(self, state: dict) -> None:
-        """Model, optimiser, scaler, RNG, early stopping and history from last.pt (the bookkeeping reads its own part)."""
+        """Model, optimiser, scaler, RNG, early stopping and history from last.pt.
+
+        The bookkeeping reads its own part (counters, sums) when it is built."""
         self.strategy.load_training_state(state["training"], self.ckpt_dir)
         if self.early_stopping and state["early_stopping"]:
             self.early_stopping.load_state_dict(state["early_stopping"])
@@ -293,11 +296,13 @@ class Trainer:
             "torch": torch.__version__,
         }
         rate = results["samples_per_s"]
-        self.tracker.print(f"test ({tested_on}): loss {test['loss']:.4f} acc {test['acc']:.4f} on {test['n']} reviews | "
+        self.tracker.print(f"test ({tested_on}): loss {test['loss']:.4f} acc {test['acc']:.4f} "
+                           f"on {test['n']} reviews | "
                            f"train time {book.train_time_s / 60:.2f} min"
                            + (f" | {rate:.1f} samples/s" if rate is not None else ""))
         self.tracker.scalars({"test_acc": test["acc"], "test_loss": test["loss"]}, book.global_step, "test/")
-        self.tracker.scalars({f"rank{r}/{k}": v for r, m in enumerate(results["memory_per_rank"]) for k, v in m.items()},
+        self.tracker.scalars({f"rank{r}/{k}": v for r, m in enumerate(results["memory_per_rank"])
+                              for k, v in m.items()},
                              book.global_step, "memory/")
         self.tracker.hparams(cfg.to_dict(), {k: results[k] for k in ("test_acc", "test_loss", "best_val_acc",
                                                                      "train_time_s", "samples_per_s")

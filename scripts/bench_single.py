@@ -178,7 +178,8 @@ def run_config(args, name: str, timeout: float) -> dict:
     results_file = out / "results.json"
     if rc != 0 or not results_file.exists():
         tail = log_tail(out / "bench.log")
-        print(f"[{name}] failed ({rc}) after {wall:.0f} s; log: {out / 'bench.log'}\n  " + "\n  ".join(tail), flush=True)
+        print(f"[{name}] failed ({rc}) after {wall:.0f} s; log: {out / 'bench.log'}\n  " + "\n  ".join(tail),
+              flush=True)
         return {"name": name, "failed": f"exit {rc}", "wall_s": wall}
     results = json.loads(results_file.read_text())
     print(f"[{name}] {results['samples_per_s']:.2f} samples/s, first step {results['first_step_s']:.1f} s, "
@@ -270,7 +271,8 @@ def markdown(args, rows: list[dict], padding: dict | None) -> str:
                      f"{r['tokens_per_s']:.0f} | {_fmt(r['padding_efficiency'], '.3f')} | "
                      f"{_fmt(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
                      f"{r['peak_memory_bytes'] / 2**30:.2f} GiB | {r['first_step_s']:.1f} s | "
-                     f"{_fmt(r.get('compiled_graphs'), 'd', '–')} | {_fmt(speedup, '.2f')}x | {_fmt(minutes, '.1f')} min |")
+                     f"{_fmt(r.get('compiled_graphs'), 'd', '–')} | {_fmt(speedup, '.2f')}x | "
+                     f"{_fmt(minutes, '.1f')} min |")
     lines += ["", "Speed-up: samples/s over the first row (same reviews, so it is the time ratio). "
               "Estimated time: 3 epochs x 35,000 reviews at the measured samples/s, training steps only "
               "(validation, testing and compilation excluded). MFU: model FLOPs of the real tokens "
@@ -328,7 +330,8 @@ def main(argv=None) -> int:
     names = args.configs.split(",") if args.configs else defaults
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        print(f"error: unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
+        print(f"error: unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}",
+              file=sys.stderr)
         return 2
     out = Path(args.out or ROOT / "scripts" / "results" / f"bench_single-{dev}-{args.model.split('/')[-1]}")
     out.mkdir(parents=True, exist_ok=True)

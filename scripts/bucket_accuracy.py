@@ -12,7 +12,8 @@ order moves the test accuracy by several points on its own. So every seed trains
 model on the same reviews once with random batches, once per bucketing multiplier and, with
 --pack, once with packed batches; the seed fixes the classifier's initialisation, dropout and
 the shuffle, and bucketing then regroups that same shuffle (packing keeps it: the same reviews
-in the same batches, without padding and without attention dropout). The report gives each run's test accuracy (best checkpoint on
+in the same batches, without padding and without attention dropout). The report gives each run's
+test accuracy (best checkpoint on
 validation, as the articles test), the mean and standard deviation per configuration, and the
 per-seed difference from plain batching with its mean and standard deviation: bucketing is
 within noise when that mean difference is small next to the spread between seeds.
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce import ROOT, Run, Rung, default_data_dir, execute, machine  # noqa: E402
+from reproduce import ROOT, Run, Rung, data_args, default_data_dir, execute, machine  # noqa: E402
 
 PRESETS = {
     "cpu": ("pretrained MiniLM-L6, the first 2000/500/1000 reviews of the article split, 256 tokens, batch 12, "
@@ -184,10 +185,10 @@ def main(argv=None) -> int:
         print("error: --seeds must be distinct and --multipliers at least 1", file=sys.stderr)
         return 2
     data_dir = args.data_dir or default_data_dir()
-    data_args = (["--data-dir", data_dir] if data_dir else []) + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    data_flags = data_args(data_dir, args.cache_dir)
     runs_dir = Path(args.runs_dir or ROOT / "runs" / f"bucket-accuracy-{args.preset}").resolve()
     multipliers = list(dict.fromkeys(args.multipliers))
-    grid = plan(args.preset, args.seeds, multipliers, data_args, runs_dir, args.pack)
+    grid = plan(args.preset, args.seeds, multipliers, data_flags, runs_dir, args.pack)
     report_path = Path(args.report or ROOT / "scripts" / "results" / f"bucket-accuracy-{args.preset}.md")
     report_path.parent.mkdir(parents=True, exist_ok=True)
     for _, _, run in grid:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce import ROOT, cpu_count, default_data_dir, machine  # noqa: E402
+from reproduce import ROOT, cpu_count, data_args, default_data_dir, machine  # noqa: E402
 
 FRAMEWORKS = ("fastpt", "lightning", "accelerate", "bare")
 PEER_SCRIPTS = {"lightning": "scripts/peers/lightning_ref.py", "accelerate": "scripts/peers/accelerate_ref.py",
@@ -172,7 +172,8 @@ def summarise(jobs: list, batch_size: int) -> dict:
                 "errors": [j.error for j in group if j.error],
                 "train_time_s": median_of(group, "train_time_s"),
                 "train_times": [round(j.results["train_time_s"], 1) for j in group if j.results],
-                "wall_s": statistics.median([j.wall_s for j in group if j.results]) if any(j.results for j in group) else None,
+                "wall_s": (statistics.median([j.wall_s for j in group if j.results])
+                           if any(j.results for j in group) else None),
                 "samples_per_s": sps,
                 "step_ms": 1000 * batch_size * procs / sps if sps else None,
                 "test_acc": median_of(group, "test_acc"),
@@ -201,12 +202,14 @@ def config_table(key: str, rows: dict) -> list:
                          f"| | | | | | | |")
             continue
         time_ratio = r["train_time_s"] / fast["train_time_s"] if fast.get("train_time_s") else None
-        speed_ratio = fast["samples_per_s"] / r["samples_per_s"] if fast.get("samples_per_s") and r["samples_per_s"] else None
+        speed_ratio = (fast["samples_per_s"] / r["samples_per_s"]
+                       if fast.get("samples_per_s") and r["samples_per_s"] else None)
         overhead = (r["step_ms"] - bare["step_ms"]) if bare.get("step_ms") and r["step_ms"] else None
         overhead_pct = 100 * overhead / bare["step_ms"] if overhead is not None else None
         acc = "– (no test)" if framework == "bare" else _f(100 * r["test_acc"], ".2f") + "%"
         lines.append(
-            f"| {framework} | {r['train_time_s']:.1f} ({', '.join(map(str, r['train_times']))}) | {r['runs']}/{r['of']} "
+            f"| {framework} | {r['train_time_s']:.1f} ({', '.join(map(str, r['train_times']))}) "
+            f"| {r['runs']}/{r['of']} "
             f"| {_f(time_ratio, '.3f')} | {_f(r['samples_per_s'], '.1f')} | {_f(speed_ratio, '.3f')} "
             f"| {_f(r['step_ms'], '.1f')} | "
             + ("–" if overhead is None else f"{overhead:+.1f} ({overhead_pct:+.0f}%)")
@@ -231,7 +234,8 @@ def verdict(rows: dict) -> str:
         noise = 2 * math.sqrt(2 * p * (1 - p) / n)  # two standard errors of a difference of two accuracies
         diff = fast["test_acc"] - r["test_acc"]
         parts.append(f"vs {peer}: fastpt {'at least as fast' if faster else 'SLOWER'} "
-                     f"(time x{fast['train_time_s'] / r['train_time_s']:.3f}, samples/s x{fast['samples_per_s'] / r['samples_per_s']:.3f}); "
+                     f"(time x{fast['train_time_s'] / r['train_time_s']:.3f}, "
+                     f"samples/s x{fast['samples_per_s'] / r['samples_per_s']:.3f}); "
                      f"accuracy difference {100 * diff:+.2f} points, "
                      f"{'within' if abs(diff) <= noise else 'OUTSIDE'} noise (±{100 * noise:.2f} at n={int(n)})")
     return "Verdict: " + ("; ".join(parts) if parts else "no peer results.")
@@ -272,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     on_cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="article" if on_cuda else "cpu", choices=sorted(PRESETS))
-    p.add_argument("--configs", default=None, help=f"comma-separated, from {', '.join(CONFIGS)} (default: the preset's)")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: the preset's)")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--nproc", type=int, default=None, help="processes for DDP configurations (default: GPUs, or 2)")
@@ -302,9 +307,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         frameworks.remove("lightning")
     data_dir = args.data_dir or default_data_dir()
-    data_args = (["--data-dir", data_dir] if data_dir else []) + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    data_flags = data_args(data_dir, args.cache_dir)
     runs_dir = Path(args.runs_dir or ROOT / "runs" / f"compare-peers-{args.preset}").resolve()
-    jobs = plan(args.preset, config_keys, frameworks, args.repeats, nproc, data_args, runs_dir, on_cuda)
+    jobs = plan(args.preset, config_keys, frameworks, args.repeats, nproc, data_flags, runs_dir, on_cuda)
     for job in jobs:
         execute(job)
     workload = PRESETS[args.preset][1]

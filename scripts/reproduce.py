@@ -7,7 +7,8 @@
 Each configuration is a real `train.py` run in its own process (under torchrun where it needs
 several), in the articles' order: plain fp32, + best checkpoint, + mixed precision,
 + torch.compile, + DDP, + DeepSpeed ZeRO-2, + FSDP, then fastpt's additions (length bucketing,
-bf16, fused Adam, padding-free packing, the single-device fast path, and everything together). Each run's results.json is collected into one
+bf16, fused Adam, padding-free packing, the single-device fast path, and everything together).
+Each run's results.json is collected into one
 Markdown table beside the articles' reported times and accuracies, with speed-ups over each
 side's own baseline, since only ratios compare across hardware; and a PNG chart.
 
@@ -312,6 +313,12 @@ def default_data_dir() -> Optional[str]:
     return str(shared) if shared.is_dir() else None
 
 
+def data_args(data_dir: Optional[str], cache_dir: Optional[str]) -> list:
+    """train.py's --data-dir / --cache-dir for the runs a script launches (data_dir defaults as above)."""
+    data_dir = data_dir or default_data_dir()
+    return (["--data-dir", data_dir] if data_dir else []) + (["--cache-dir", cache_dir] if cache_dir else [])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
@@ -335,9 +342,9 @@ def main(argv=None) -> int:
         print(f"error: unknown --only keys: {', '.join(sorted(only - {r.key for r in LADDER}))}", file=sys.stderr)
         return 2
     data_dir = args.data_dir or default_data_dir()
-    data_args = (["--data-dir", data_dir] if data_dir else []) + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    data_flags = data_args(data_dir, args.cache_dir)
     runs_dir = Path(args.runs_dir or ROOT / "runs" / f"reproduce-{args.preset}").resolve()
-    runs = plan(args.preset, nproc, data_args, runs_dir, only)
+    runs = plan(args.preset, nproc, data_flags, runs_dir, only)
     for run in runs:
         if run.status == "not run":
             execute(run, args.force)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +15,10 @@ from fastpt.models import load_tokenizer
 
 # From shared/data/README.md: the article's split, fingerprinted.
 ARTICLE_SPLIT = {
-    "train": (35000, 17548, ["train/pos/11122_10.txt", "train/pos/7811_7.txt", "train/pos/7382_8.txt"], "f1dc0bb04ab74e0d"),
-    "validation": (5000, 2458, ["train/pos/4304_9.txt", "train/pos/3800_7.txt", "train/pos/3077_10.txt"], "e8b9e7c62c0aeda4"),
+    "train": (35000, 17548, ["train/pos/11122_10.txt", "train/pos/7811_7.txt", "train/pos/7382_8.txt"],
+              "f1dc0bb04ab74e0d"),
+    "validation": (5000, 2458, ["train/pos/4304_9.txt", "train/pos/3800_7.txt", "train/pos/3077_10.txt"],
+                   "e8b9e7c62c0aeda4"),
     "test": (10000, 4994, ["train/pos/11974_10.txt", "test/pos/6936_9.txt", "test/pos/6236_7.txt"], "a4937188a6b37789"),
 }
 

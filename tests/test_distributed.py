@@ -73,7 +73,8 @@ def runs(imdb_dir, cache_dir, tmp_path_factory):
     for name in RESUMED:  # one epoch, then continue from checkpoints/last.pt in a fresh run
         outs[f"{name}_resumed"] = out = root / f"{name}_resumed"
         argv += ["--", *common_args(imdb_dir, cache_dir, BATCH), "--out", str(out), *STRATEGIES[name], "--epochs", "1"]
-        argv += ["--", *common_args(imdb_dir, cache_dir, BATCH), "--out", str(out), *STRATEGIES[name], "--resume", "auto"]
+        argv += ["--", *common_args(imdb_dir, cache_dir, BATCH), "--out", str(out), *STRATEGIES[name],
+                 "--resume", "auto"]
     torchrun([str(RUN_MANY), *argv], timeout=420)
     reports = {name: [json.loads((outs[name] / f"rank{r}_result.json").read_text()) for r in range(2)]
                for name in STRATEGIES}
@@ -144,8 +145,8 @@ def test_sharded_strategy_matches_ddp_and_best_pt_loads_into_plain_model(runs, n
 
 def test_packed_single_process_follows_the_padded_one(runs):
     outs, _ = runs
-    torch.testing.assert_close(torch.tensor(step_losses(outs["single_pack"])), torch.tensor(step_losses(outs["single"])),
-                               rtol=1e-4, atol=1e-5)
+    packed_losses, padded_losses = step_losses(outs["single_pack"]), step_losses(outs["single"])
+    torch.testing.assert_close(torch.tensor(packed_losses), torch.tensor(padded_losses), rtol=1e-4, atol=1e-5)
     packed, padded = results(outs["single_pack"]), results(outs["single"])
     assert packed["padding_efficiency"] == 1.0 > padded["padding_efficiency"]
     assert packed["test_acc"] == padded["test_acc"]

@@ -181,6 +181,7 @@ def test_bucket_accuracy_smoke_trains_both_batchings_on_the_same_seed(imdb_dir, 
     assert _row(md, "5")[1:] == [f"{100 * plain['test_acc']:.2f}", f"{100 * bucket['test_acc']:.2f}"]
     assert f"({100 * (bucket['test_acc'] - plain['test_acc']):+.2f})" in md
     padding = {cells[0]: float(cells[1]) for cells in (_row(md, label) for label in (
-        "random batches, padded to 512", "random batches, padded to their longest", "`--bucket --bucket-multiplier 4`"))}
+        "random batches, padded to 512", "random batches, padded to their longest",
+        "`--bucket --bucket-multiplier 4`"))}
     assert padding["random batches, padded to 512"] < padding["random batches, padded to their longest"] \
         < padding["`--bucket --bucket-multiplier 4`"] <= 1

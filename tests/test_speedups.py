@@ -233,7 +233,8 @@ def test_deterministic_mode_gives_bitwise_equal_runs(tiny_args, tmp_path, monkey
     try:
         for name in ("a", "b"):
             out = tmp_path / name
-            assert main(tiny_args("--deterministic", "--epochs", "1", "--max-steps", "4", "--no-tensorboard", out=out)) == 0
+            flags = ("--deterministic", "--epochs", "1", "--max-steps", "4", "--no-tensorboard")
+            assert main(tiny_args(*flags, out=out)) == 0
             assert not torch.are_deterministic_algorithms_enabled()  # a process-wide switch, turned back off
             runs.append((json.loads((out / "results.json").read_text()),
                          load_model_weights(out / "checkpoints" / "best.pt")))

@@ -47,7 +47,8 @@ def test_end_to_end_run_writes_every_output(tiny_args, tmp_path):
     assert any((out / "tb" / "hparams").iterdir())
 
 
-def test_best_checkpoint_reloads_into_a_plain_model_and_reproduces_the_test_score(tiny_args, imdb_dir, cache_dir, tmp_path):
+def test_best_checkpoint_reloads_into_a_plain_model_and_reproduces_the_test_score(tiny_args, imdb_dir, cache_dir,
+                                                                                 tmp_path):
     out = tmp_path / "run"
     assert main(tiny_args("--epochs", "2", "--lr", "1e-3", out=out)) == 0
     results = json.loads((out / "results.json").read_text())
@@ -87,7 +88,8 @@ def test_evaluation_builds_no_autograd_graph_and_restores_train_mode(imdb_dir, c
     strategy.train(True)
     seen = []
     strategy.module.register_forward_hook(
-        lambda module, args, output: seen.append((torch.is_grad_enabled(), output.logits.requires_grad, module.training)))
+        lambda module, args, output: seen.append((torch.is_grad_enabled(), output.logits.requires_grad,
+                                                  module.training)))
     splits, _ = data.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
     loader = data.make_loader(splits["validation"], data.EvalBatchSampler(splits["validation"], 8, 0, 1),
                               data.Collator(0, "longest", 64), 0, False, 0)

@@ -60,8 +60,8 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--deepspeed-config {cfg.deepspeed_config}: {e}") from None
     _check_user_config(user, generated)
-    return {**{k: generated[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                                          "train_batch_size", "steps_per_print")}, **user}
+    fixed = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "steps_per_print")
+    return {**{k: generated[k] for k in fixed}, **user}
 
 
 def check_supported(cfg: TrainConfig, device: torch.device) -> None:

@@ -149,7 +149,8 @@ def main(argv=None) -> int:
         results = common.write_results(
             out, "lightning", args, test=module.test_metrics, history=module.history,
             train_time_s=timer.train_time_s, meter=meter, world_size=world_size,
-            global_steps=trainer.global_step, device=device, extra={"lightning": L.__version__, "first_step_s": timer.first_step_s})
+            global_steps=trainer.global_step, device=device,
+            extra={"lightning": L.__version__, "first_step_s": timer.first_step_s})
         print(f"lightning: test acc {results['test_acc']:.4f} | train time {results['train_time_s']:.1f} s | "
               f"{results['samples_per_s']:.1f} samples/s")
     return 0
