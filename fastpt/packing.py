@@ -114,8 +114,11 @@ def _segment_edges(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
 
 def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
     edges = _segment_edges(cu_seqlens, query.shape[2])
-    out = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scale=scaling)
-           for s, e in zip(edges[:-1], edges[1:])]
+    sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+    # split, not slicing: the backward of B slices would write B full-size zero tensors and add
+    # them up; split's backward is one concatenation.
+    out = [F.scaled_dot_product_attention(q, k, v, scale=scaling)
+           for q, k, v in zip(*(x.split(sizes, dim=2) for x in (query, key, value)))]
     return torch.cat(out, dim=2).transpose(1, 2)
 
 
