@@ -61,10 +61,13 @@ def assert_same_batches(expected: list[dict], got: list[dict]) -> None:
                 assert a[key] == b[key], key
 
 
-@pytest.mark.parametrize("pad_to", ["max_length", "longest"])
+@pytest.mark.parametrize("pad_to", ["max_length", "longest", "pack", "pack-16"])
 def test_device_batches_equal_the_data_loaders(pad_to):
+    from fastpt.packing import PackedCollator
+
     split = made_up_split()
-    collate = data.Collator(0, pad_to, 32)
+    collate = (data.Collator(0, pad_to, 32) if not pad_to.startswith("pack")
+               else PackedCollator(0, 16 if pad_to == "pack-16" else None))
     train = data.TrainBatchSampler(split, 6, rank=0, world_size=1, seed=3)
     train.set_epoch(1)
     assert_same_batches(loader_batches(split, train, collate), list(DeviceLoader(split, train, collate, "cpu")))
