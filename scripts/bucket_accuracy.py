@@ -25,6 +25,7 @@ reused unless --force, so an interrupted grid resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
 import sys
@@ -157,6 +158,13 @@ def full_split_padding(preset: str, data_dir, cache_dir, multipliers: list) -> l
     return [(label, value, r["examples"]) for label, value in rows]
 
 
+def load_existing(run: Run) -> None:
+    """The results of a run this script finished earlier with the same command, if any."""
+    stamp, results = run.out / "reproduce.json", run.out / "results.json"
+    if stamp.exists() and results.exists() and json.loads(stamp.read_text()).get("command") == run.command[1:]:
+        run.results = json.loads(results.read_text())
+
+
 def _epochs(res: dict) -> int:
     return max((len(r.get("history", [])) for r in res.values()), default=0)
 
@@ -175,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None,
                    help="Markdown report (default: scripts/results/bucket-accuracy-<preset>.md)")
     p.add_argument("--force", action="store_true", help="rerun configurations whose results exist")
+    p.add_argument("--only", default=None,
+                   help="comma-separated configuration keys to run (plain, bucket-mN, pack); the others are "
+                        "reported where their results exist")
     return p
 
 
@@ -191,15 +202,19 @@ def main(argv=None) -> int:
     grid = plan(args.preset, args.seeds, multipliers, data_flags, runs_dir, args.pack)
     report_path = Path(args.report or ROOT / "scripts" / "results" / f"bucket-accuracy-{args.preset}.md")
     report_path.parent.mkdir(parents=True, exist_ok=True)
-    for _, _, run in grid:
-        execute(run, args.force)
+    only = set(args.only.split(",")) if args.only else None
+    for _, key, run in grid:
+        if only is None or key in only:
+            execute(run, args.force)
+        else:
+            load_existing(run)
         report_path.write_text(report(grid, multipliers, args.preset, argv, pack=args.pack))  # partial: readable
     padding = full_split_padding(args.preset, data_dir, args.cache_dir, multipliers)
     md = report(grid, multipliers, args.preset, argv, padding, args.pack)
     report_path.write_text(md)
     print(md)
     print(f"written: {report_path}")
-    return 0 if all(run.results for _, _, run in grid) else 1
+    return 0 if all(run.results for _, key, run in grid if only is None or key in only) else 1
 
 
 if __name__ == "__main__":
