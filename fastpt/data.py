@@ -216,6 +216,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("FASTPT_CACHE_DIR") or Path.home() / ".cache" / "fastpt")
 
 
+def cache_root(cache_dir: Optional[str]) -> Path:
+    """--cache-dir, else the default: where the token cache (and the Inductor cache) live."""
+    return Path(cache_dir) if cache_dir else default_cache_dir()
+
+
 def build_cache(source: Path, tokenizer, target: Path) -> None:
     """Read, split and tokenise all reviews at CACHE_MAX_LENGTH; publish the splits under target atomically.
 
@@ -319,7 +324,7 @@ def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer,
     if is_main:
         try:
             source = imdb.find_source(data_dir)
-            root = Path(cache_dir) if cache_dir else default_cache_dir()
+            root = cache_root(cache_dir)
             path = root / f"imdb-{cache_key(source, tokenizer)}"
             if not _is_complete(path):
                 _build_once(source, tokenizer, path)
@@ -358,6 +363,15 @@ def default_num_workers(on_cuda: bool, local_world_size: int) -> int:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(8, cores // max(1, local_world_size) - 1))
+
+
+def loader_settings(cfg, on_cuda: bool, local_world_size: int) -> tuple[int, bool]:
+    """(workers, pin_memory): the flags, else the defaults; none of either with --data-on-device,
+    where batches are gathered on the device."""
+    if cfg.data_on_device:
+        return 0, False
+    workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(on_cuda, local_world_size)
+    return workers, cfg.pin_memory if cfg.pin_memory is not None else on_cuda
 
 
 def make_loader(dataset: TokenizedSplit, batch_sampler: Sampler, collate: Collator, num_workers: int,

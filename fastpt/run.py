@@ -263,15 +263,10 @@ def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
 
     on_cuda = dist.device.type == "cuda"
     cfg.out = str(out.resolve())
-    cfg.cache_dir = str(Path(cfg.cache_dir or data.default_cache_dir()).resolve())
+    cfg.cache_dir = str(data.cache_root(cfg.cache_dir).resolve())
     if cfg.data_dir or os.environ.get("FASTPT_DATA_DIR"):  # else ./data, found or downloaded while loading
         cfg.data_dir = str(Path(cfg.data_dir or os.environ["FASTPT_DATA_DIR"]).resolve())
-    if cfg.data_on_device:  # batches are gathered on the device: no workers, nothing to pin
-        cfg.num_workers, cfg.pin_memory = 0, False
-    if cfg.num_workers is None:
-        cfg.num_workers = data.default_num_workers(on_cuda, dist.local_world_size)
-    if cfg.pin_memory is None:
-        cfg.pin_memory = on_cuda
+    cfg.num_workers, cfg.pin_memory = data.loader_settings(cfg, on_cuda, dist.local_world_size)
     if cfg.fused_adam is None:
         cfg.fused_adam = on_cuda
 
@@ -367,7 +362,7 @@ def main(argv=None, train=None) -> int:
             check_device_support(cfg, dist)
             out = choose_out(cfg)
             check_output_folder(out, "--out")
-            check_output_folder(Path(cfg.cache_dir) if cfg.cache_dir else data.default_cache_dir(), "--cache-dir")
+            check_output_folder(data.cache_root(cfg.cache_dir), "--cache-dir")
             lock = claim_out_dir(out, dist)
             plan = plan_out_dir(cfg, dist, out)
             resolve_config(cfg, dist, out)

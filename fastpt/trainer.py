@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fastpt import backends, checkpoint, data, distributed, metrics
-from fastpt.bookkeeping import Bookkeeping, NonFiniteLoss  # noqa: F401  (NonFiniteLoss: run.py's exit 1)
+from fastpt.bookkeeping import Bookkeeping
 from fastpt.config import TrainConfig
 from fastpt.early_stopping import BestTracker, EarlyStopping
 from fastpt.evaluation import evaluate, make_eval_sums
@@ -81,7 +81,7 @@ class Trainer:
         """Tokenizer, model and data: everything bad input can break, read before the run folder
         is touched (run.py calls this first, so a bad --model or --data-dir writes nothing)."""
         cfg, dist = self.cfg, self.dist
-        backends.configure(cfg, self.device, Path(cfg.cache_dir) if cfg.cache_dir else data.default_cache_dir())
+        backends.configure(cfg, self.device, data.cache_root(cfg.cache_dir))
         seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
         tokenizer = load_tokenizer(cfg.model)
         self.initial_model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation)
@@ -96,10 +96,7 @@ class Trainer:
 
     def _build_loaders(self, pad_id: int) -> None:
         cfg, dist = self.cfg, self.dist
-        on_cuda = self.device.type == "cuda"
-        workers = (cfg.num_workers if cfg.num_workers is not None
-                   else data.default_num_workers(on_cuda, dist.local_world_size))
-        pin = cfg.pin_memory if cfg.pin_memory is not None else on_cuda
+        workers, pin = data.loader_settings(cfg, self.device.type == "cuda", dist.local_world_size)
         collate = data.make_collator(cfg, pad_id)
         self.train_sampler = data.TrainBatchSampler(self.splits["train"], cfg.batch_size, dist.rank, dist.world_size,
                                                     cfg.seed, cfg.bucket, cfg.bucket_multiplier)
@@ -111,7 +108,6 @@ class Trainer:
                          for name in ("validation", "test")}
         if cfg.data_on_device:
             from fastpt.device_data import DeviceLoader
-            workers, pin = 0, False
             self.train_loader = DeviceLoader(self.splits["train"], self.train_sampler, collate, self.device)
             self.eval_loaders = {name: DeviceLoader(self.splits[name], sampler, collate, self.device)
                                  for name, sampler in eval_samplers.items()}
