@@ -29,7 +29,9 @@ What it costs:
 
 The attention kernels (`KERNELS`), all exact; `packed_attention_kernel` picks one:
 - "varlen": `torch.nn.attention.varlen.varlen_attn`, FlashAttention on the stream (CUDA,
-  fp16/bf16 only). Reads nothing back to the host.
+  fp16/bf16 only). Reads nothing back to the host. It writes outputs and gradients only for rows
+  inside a sequence, so the rounding tail goes in as one more sequence, no longer than
+  `max_seqlen`: hence `--pack-multiple` <= `--max-length`.
 - "loop": plain SDPA on each review in turn. Reads `cu_seqlens` to the host (one sync per
   layer on a GPU, nothing on a CPU). The fastest CPU kernel by far, so the CPU's eager choice.
 - "jagged": SDPA on a nested jagged tensor. Also reads `cu_seqlens` to the host.
@@ -67,17 +69,24 @@ class PackedCollator:
 
     With `multiple`, the row is padded to a multiple of it with `pad_id` tokens placed after the
     last review; they belong to no review (`cu_seqlens[-1]` is the number of real tokens).
+    `max_length` is the `max_seqlen` the attention kernels are promised: no review, and no rounding
+    tail (fewer than `multiple` tokens, one more sequence for the "varlen" kernel), may exceed it.
     """
 
-    def __init__(self, pad_id: int, multiple: int | None = None):
+    def __init__(self, pad_id: int, multiple: int | None = None, max_length: int | None = None):
         if multiple is not None and multiple < 1:
             raise ValueError(f"multiple must be a positive number of tokens, got {multiple}")
-        self.pad_id, self.multiple = pad_id, multiple
+        if multiple is not None and max_length is not None and multiple > max_length:
+            raise ValueError(f"multiple {multiple} exceeds max_length {max_length}: "
+                             "the rounding tail must fit in one attention sequence")
+        self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
 
     def __call__(self, items) -> dict:
         lengths = np.array([len(tokens) for tokens, _, _ in items], dtype=np.int64)
         if (lengths == 0).any():
             raise ValueError("an empty review cannot be packed: it has no first token to classify")
+        if self.max_length is not None and lengths.max() > self.max_length:
+            raise ValueError(f"a review of {lengths.max()} tokens exceeds max_length {self.max_length}")
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
         num_real_tokens = int(cu_seqlens[-1])
         num_tokens = num_real_tokens
@@ -104,8 +113,8 @@ def is_packed(batch) -> bool:
 
 # --------------------------------------------------------------------------- attention kernels
 # Each takes query/key/value as [1, heads, T, head_dim] and returns [1, T, heads, head_dim].
-# Tokens after cu_seqlens[-1] (rounding) attend among themselves ("loop", "jagged", "mask") or
-# get zeros ("varlen"); either way no review sees them.
+# Tokens after cu_seqlens[-1] (rounding) are one more segment in every kernel: they attend among
+# themselves, no review sees them, and nothing reads their outputs (so their gradients are zero).
 
 def _segment_edges(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
     """Review boundaries on the host, plus the rounding tail as one more segment if there is one."""
@@ -144,12 +153,24 @@ def _mask_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2)
 
 
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # FlashAttention's: no float32 kernel
+
+
 def _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
     from torch.nn.attention.varlen import varlen_attn  # PyTorch >= 2.10, CUDA only
-    if query.dtype not in (torch.float16, torch.bfloat16):
+    if query.dtype not in VARLEN_DTYPES:
         raise ValueError(f"the 'varlen' kernel (FlashAttention) needs fp16 or bf16 inputs, got {query.dtype}: "
                          "train under autocast, or use the 'loop' or 'mask' kernel")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, d], tokens first
+    # FlashAttention writes only the rows inside a sequence: its outputs come from `empty_like`, in
+    # the forward (out) and in the backward (dq, dk, dv: not zeroed), so a row outside every
+    # sequence would send whatever memory held into the layers below. The rounding tail after
+    # cu_seqlens[-1] therefore goes in as one more sequence (attending among itself, as in the other
+    # kernels); it is shorter than --pack-multiple <= --max-length = max_seqlen (config.py), so the
+    # kernel covers all of it. Without a tail it is an empty sequence, which the kernel skips (each
+    # block returns at once). Built on the device, with the token count as a symbol under compile:
+    # no host read, one graph for every length.
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), q.shape[0])])
     # Positional arguments only: torch 2.10 has `is_causal` as the 8th, later versions keyword-only
     # options; the default scale (head_dim ** -0.5) is the one BERT and DistilBERT use.
     if "scale" in _VARLEN_OPTIONS:
@@ -158,9 +179,7 @@ def _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
         out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     else:
         raise ValueError("this torch's varlen_attn has no scale argument and the model's scale is not 1/sqrt(d)")
-    # Rows after cu_seqlens[-1] are outside every sequence: the kernel leaves them unwritten.
-    real = torch.arange(q.shape[0], device=q.device) < cu_seqlens[-1]
-    return torch.where(real[:, None, None], out, 0.0)[None]
+    return out[None]
 
 
 def _varlen_options() -> frozenset:
