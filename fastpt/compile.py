@@ -2,28 +2,56 @@
 
 What it does: TorchDynamo captures the model's forward (and AOTAutograd its backward) as
 graphs; Inductor fuses their element-wise ops into a few generated Triton (GPU) or C++ (CPU)
-kernels. `max-autotune` also benchmarks matmul kernels; `reduce-overhead` adds CUDA graphs.
+kernels. The modes (torch._inductor.list_mode_options):
+- `default`: fusion only;
+- `max-autotune-no-cudagraphs`: also benchmarks matmul kernels and tunes the generated ones;
+- `reduce-overhead`: fusion plus CUDA graphs;
+- `max-autotune`: both, so it records CUDA graphs too.
+Only `reduce-overhead` and `max-autotune` record CUDA graphs (on CUDA; a CPU run has none).
 
 Why it is faster: fewer kernel launches and fewer round trips through memory for the
-element-wise work between matmuls (GELU, dropout, layer norm, residual adds).
+element-wise work between matmuls (GELU, dropout, layer norm, residual adds). A CUDA graph
+goes further: the CPU launches a whole recorded graph at once instead of one kernel at a time.
 
 What it costs: the first step compiles (tens of seconds on a GPU, minutes on a small CPU;
 `first_step_s` in results.json reports it apart from the measured steps, which leave it out),
 evaluation compiles once more (no_grad and eval mode change the graph), and errors show up as
-long traces. Each new input shape would recompile a static graph: with fixed padding
-(`--pad-to max_length`) every batch has one shape, so the graph stays static; where lengths
-vary (`--bucket`, `--pad-to longest`, `--pack`) the token dimension, and only it, is marked
-dynamic on every batch (`mark_token_dim_dynamic`), so one graph serves every length from the
-start. `reduce-overhead` records a CUDA graph per distinct shape: it pays off with fixed
-padding, or with `--pack --pack-multiple N`, which rounds every batch to a few sizes.
+long traces. Shapes: the first graph is static, specialised to the sizes it saw. A call with a
+new size recompiles once, with the dimensions that changed made symbolic ("automatic dynamic
+shapes"), and that graph then serves every later size of those dimensions; a dimension that
+changes later (say the shorter last batch) costs one more recompile. With fixed padding
+(`--pad-to max_length`) the token count never changes. Where it varies (`--bucket`,
+`--pad-to longest`, `--pack`) the token dimension, and only it, is marked dynamic on every
+batch (`mark_token_dim_dynamic`): that saves the static first graph and its recompile, so one
+graph serves every length from the start.
 
-Where it applies (fixed in the strategies, see strategies/base.py): on one device the whole
-step function (forward, loss and metric sums: `step.forward_loss`) is compiled with
-`fullgraph=True`, so any graph break is an error rather than a silent slowdown. Under DDP the
-model is compiled and then wrapped, which lets DDP's optimizer split the graph at
-gradient-bucket boundaries so communication overlaps the backward; under FSDP each transformer
-layer is compiled in place and then sharded (strategies/fsdp.py, torchtitan's order), so the
-all-gather / reduce-scatter hooks between layers never break a compiled graph.
+CUDA graphs (`reduce-overhead`, `max-autotune`): a graph is recorded once per distinct input
+shape (so it pays off with fixed padding, or with `--pack --pack-multiple N`, which rounds every
+batch to a few sizes) and then replayed. What that requires:
+- static memory: every replay reads the same addresses, so each batch is first copied into the
+  graph's input buffers (parameters stay where they are), and outputs come back in the graph's
+  own buffers. Each replay overwrites the previous one's outputs: the step's metric sums are
+  added into a fresh tensor (`sums + batch_sums` in `step.train_step`, `sums +=` in
+  `evaluation.evaluate`) before the next call, and the loss is consumed by its backward;
+- nothing that needs the host inside: no `.item()` (with `fullgraph=True` an error already), no
+  CPU tensors, no input changed in place. A graph that breaks these rules runs without a CUDA
+  graph (Inductor logs "skipping cudagraphs due to ..." with TORCH_LOGS=cudagraphs);
+- memory: the recorded graphs share one memory pool (CUDA graph trees) that other work cannot
+  use, and each recorded shape adds its own input buffers: many shapes cost memory as well as
+  recording time.
+What is captured is what Inductor compiled (below; on one device the forward, loss and metric
+sums, and their backward); the input copy, gradient reduction under DDP/FSDP, GradScaler,
+clipping and the optimizer step run eagerly between the replays.
+
+Where it applies (fixed in the strategies, see strategies/base.py): on one device the step's
+forward, loss and metric sums (`step.forward_loss`) are compiled as one function with
+`fullgraph=True`, so any graph break is an error rather than a silent slowdown; AOTAutograd
+compiles their backward. The optimizer step (GradScaler, clipping, Adam) is not compiled: it
+runs eagerly (with --fused-adam, as Adam's fused kernel). Under DDP the model is compiled and
+then wrapped, which lets DDP's optimizer split the graph at gradient-bucket boundaries so
+communication overlaps the backward; under FSDP each transformer layer is compiled in place and
+then sharded (strategies/fsdp.py, torchtitan's order), so the all-gather / reduce-scatter hooks
+between layers never break a compiled graph.
 The compiled function or module leaves the model's parameter names alone, so checkpoints
 (`strategy.module`, the plain model) never carry an `_orig_mod.` prefix.
 
