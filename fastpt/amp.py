@@ -14,9 +14,10 @@ GradScaler multiplies the loss by a large factor before backward, divides the gr
 and lowers the factor. bfloat16 has float32's range and needs no scaler, but fewer mantissa
 bits. Evaluation runs under the same autocast, so it measures the model as trained.
 
-Where the lines are: `autocast()` opens the context in `step.forward_loss` and
-`evaluation.evaluate`; the GradScaler's four calls (`scale` in `Strategy.backward`; `unscale_`,
-`step`, `update` in `Strategy.optimizer_step`) sit together in `strategies/base.py`.
+Where the lines are: `autocast()` opens the context in `step.forward_loss` and in the
+`eval_sums` that `evaluation.make_eval_sums` builds; the GradScaler's four calls (`scale` in
+`Strategy.backward`; `unscale_`, `step`, `update` in `Strategy.optimizer_step`) sit together in
+`strategies/base.py`.
 
 Replaces Lightning's `precision="16-mixed"` (`--amp`) and `precision="bf16-mixed"`
 (`--amp --amp-dtype bfloat16`).

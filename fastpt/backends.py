@@ -1,11 +1,13 @@
-"""Process-wide switches, set in one place before anything runs: TF32, cuDNN autotuning,
-deterministic algorithms, and where compiled kernels are cached.
+"""Process-wide switches, set in one place before anything runs: TF32, deterministic algorithms,
+and where compiled kernels are cached.
 
 - `--tf32`: float32 matmuls on Ampere and newer GPUs run on tensor cores with a 10-bit
   mantissa (TF32): up to 8x the float32 rate, at about bfloat16-like input precision. Off by
   default, as in PyTorch. With `--amp` most matmuls are 16-bit anyway.
-- cuDNN benchmark: cuDNN times its algorithms for each new input shape and keeps the fastest;
-  on unless `--deterministic`, which forbids that choice.
+- Not here: `torch.backends.cudnn.benchmark`, often listed as a speed switch. It lets cuDNN time
+  its convolution algorithms for each new input shape and keep the fastest; a transformer
+  classifier has no convolutions, so it would change nothing. (`cudnn.allow_tf32` follows
+  `--tf32` only for completeness: it too concerns convolutions alone.)
 - `--deterministic`: `torch.use_deterministic_algorithms(True)` (Lightning's
   `deterministic=True`): bitwise-repeatable runs, at a measured cost in speed. It is
   process-wide, so `restore()` turns it back off when the run ends.
@@ -27,7 +29,6 @@ def configure(cfg, device: torch.device, cache_root: Path) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-        torch.backends.cudnn.benchmark = not cfg.deterministic
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     if cfg.compile:

@@ -13,10 +13,13 @@ compiled evaluation compiles once.
 
 Each rank evaluates its own shard (see data.EvalBatchSampler); the loss sum, the correct
 count and the example count are all-reduced once at the end, so every rank holds the same
-metrics over the whole split, each example counted once. Lightning's `trainer.validate` /
-`trainer.test` under DDP use a DistributedSampler that repeats examples to even out ranks
-(the article's DDP runs scored 9,984 of 10,000 test reviews); weights of 0 on the padding
-avoid both duplicates and drops here.
+metrics over the whole split, each example counted once. Both ways of evening out ranks lose
+that: a DistributedSampler repeats examples where the split does not divide by the number of
+ranks, and a loader with `drop_last=True` drops the last incomplete batch. The article's DDP
+runs scored 9,984 of 10,000 test reviews for the second reason: 10,000 / 4 ranks divides, so the
+sampler repeated nothing, but their test loader kept `drop_last=True`, so each rank ran 208 full
+batches of 12 (208 x 12 x 4 = 9,984). Weights of 0 on the padding avoid both duplicates and
+drops here.
 """
 
 from __future__ import annotations

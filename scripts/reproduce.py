@@ -260,9 +260,17 @@ def report(runs: list, preset_name: str, argv: list, nproc: int) -> str:
     ])
 
 
-def chart(runs: list, path: Path, title: str) -> None:
-    """Three panels, ours beside the articles': time, speed-up over baseline, test accuracy."""
-    import matplotlib
+def chart(runs: list, path: Path, title: str) -> bool:
+    """Three panels, ours beside the articles': time, speed-up over baseline, test accuracy.
+
+    matplotlib is an extra (requirements-dev.txt): without it the table is still written, and one
+    line says how to get the chart. Returns whether the chart was written.
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print(f"no chart {path.name}: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -295,6 +303,7 @@ def chart(runs: list, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 # --------------------------------------------------------------------------- main
@@ -354,9 +363,10 @@ def main(argv=None) -> int:
     report_dir.mkdir(parents=True, exist_ok=True)
     md = report(runs, args.preset, argv, nproc)
     (report_dir / f"reproduce-{args.preset}.md").write_text(md)
-    chart(runs, report_dir / f"reproduce-{args.preset}.png", f"fastpt ladder, preset {args.preset}: {machine()}")
+    charted = chart(runs, report_dir / f"reproduce-{args.preset}.png",
+                    f"fastpt ladder, preset {args.preset}: {machine()}")
     print(md)
-    print(f"written: {report_dir / f'reproduce-{args.preset}.md'} and .png")
+    print(f"written: {report_dir / f'reproduce-{args.preset}.md'}{' and .png' if charted else ''}")
     return 0 if all(r.results or r.status.startswith("left out") for r in runs) else 1
 
 

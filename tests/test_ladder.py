@@ -1,9 +1,13 @@
-"""The teaching ladder (scripts/ladder/): every script runs, adds only its own marked lines, and
+"""The teaching ladder (scripts/ladder/): every script runs, adds only its own tagged lines, and
 computes exactly what train.py computes with the same flags.
 
 - Shape: each script is the one its docstring builds on plus a short diff whose every new or
-  changed line ends with `# NEW` (docstring and blank lines aside), and lines it keeps carry no
-  marker; each stays short.
+  changed line carries the script's own rung tag (`# [06]` in 06_ddp.py; docstring and blank
+  lines aside). Lines it keeps are kept byte for byte, earlier rungs' tags included, so `diff`
+  shows only the new rung and a search for `[06]` follows DDP through 07 and 08. The diff sizes
+  are the ones the ladder's README states; each script stays short.
+- Started the wrong way (06-08 without torchrun, 07 in float16 on the CPU), a script says how
+  to start it in one line and exits with status 2.
 - Single process, run in this process (no interpreter start-up per script): 01, 02, 03, 05 and
   09 print, step by step, the losses train.py logs to TensorBoard with the same flags (float32,
   bfloat16 autocast, data-loader workers, early stopping over two epochs), and the same
@@ -42,9 +46,9 @@ BUILDS_ON = {
     "09_early_stopping.py": "05_data_loading.py",
 }
 SCRIPTS = ["01_plain.py", *BUILDS_ON]
-MAX_CHANGED_LINES = 40
-MAX_LINES = 160  # "about 150": the sharded scripts carry the whole single-device ladder below them
-MARKER = re.compile(r"  # NEW(: .*)?$|^\s*# NEW: ")
+MAX_LINES = 175  # the sharded scripts carry the whole single-device ladder below them
+TAG = re.compile(r"# \[(\d\d)\]")  # a rung's tag: `code  # [04]`, `code  # [04] why`, `# [04] comment`
+README_DIFF = re.compile(r"^\| `(\d\d_\w+\.py)` \| (\d\d) \| .*\| \+(\d+) -(\d+) \|$", re.M)
 LOSS_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
 EPOCH_LINE = re.compile(r"^epoch (\d+): val loss (\S+) acc ([\d.]+),", re.M)
 TEST_LINE = re.compile(r"^test \(best epoch (\d+)\): loss (\S+) acc (\S+)$", re.M)
@@ -63,9 +67,22 @@ pytestmark = pytest.mark.timeout(600)
 
 # --------------------------------------------------------------------------- shape of the ladder
 
-def unmarked(line: str) -> str:
-    """The line as the next script keeps it: its # NEW marker dropped, its comment kept."""
-    return re.sub(r"  # NEW$", "", line).replace("# NEW: ", "# ")
+def rung(script: str) -> str:
+    return script[:2]
+
+
+def ancestors(script: str) -> list[str]:
+    """The rungs a script is built from, oldest first (01 carries no tag)."""
+    chain = []
+    while script in BUILDS_ON:
+        script = BUILDS_ON[script]
+        chain.insert(0, rung(script))
+    return chain
+
+
+def untagged(line: str) -> str:
+    """The line's code and comment without its rung tag."""
+    return re.sub(r"# \[\d\d\] ", "# ", re.sub(r"  # \[\d\d\]$", "", line))
 
 
 def source(name: str) -> list[str]:
@@ -77,41 +94,63 @@ def docstring_end(lines: list[str]) -> int:
     return ast.parse("\n".join(lines)).body[0].end_lineno
 
 
-def lesson(old: list[str], new: list[str]) -> tuple[int, list[str], list[str]]:
-    """(changed lines, new/changed lines without # NEW, kept lines still marked) from old to new.
+def lesson(old: list[str], new: list[str], tag: str) -> tuple[tuple[int, int], list[str], list[str]]:
+    """((lines removed, lines added), changed lines without `tag`, kept lines whose old tag was replaced).
 
-    Markers are compared away: the older script's `# NEW` lines reappear unmarked in the newer one.
-    A replaced line counts once; the module docstring and blank lines need no marker.
+    The diff compares whole lines, tags included: a line the new script keeps must keep its tag too.
+    Every added or rewritten line outside the module docstring (blank lines aside) carries `tag` and
+    only it; a line whose code is unchanged but whose tag differs is a retagged line, not a new one.
     """
     body_start = docstring_end(new)
-    changed, missing, stale = 0, [], []
-    matcher = difflib.SequenceMatcher(None, [unmarked(x) for x in old], [unmarked(x) for x in new], autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            stale += [f"{j + 1}: {new[j]}" for j in range(j1, j2) if MARKER.search(new[j])]
+    removed = added = 0
+    missing, retagged = [], []
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
             continue
-        changed += max(i2 - i1, j2 - j1)
-        missing += [f"{j + 1}: {new[j]}" for j in range(max(j1, body_start), j2)
-                    if new[j].strip() and not MARKER.search(new[j])]
-    return changed, missing, stale
+        removed, added = removed + i2 - i1, added + j2 - j1
+        old_code = {untagged(line) for line in old[i1:i2]}
+        for j in range(max(j1, body_start), j2):
+            if not new[j].strip():
+                continue
+            if TAG.findall(new[j]) != [tag]:
+                missing.append(f"{j + 1}: {new[j]}")
+            elif untagged(new[j]) in old_code:
+                retagged.append(f"{j + 1}: {new[j]}")
+    return (removed, added), missing, retagged
 
 
-def test_lesson_check_catches_unmarked_and_stale_lines():
-    old = ['"""Base."""', "x = 1  # NEW", "y = 2"]
-    assert lesson(old, ['"""Next."""', "x = 1", "", "y = 3  # NEW: why", "# NEW: a comment", "z = 4"]) == (
-        5, ["6: z = 4"], [])
-    assert lesson(old, ['"""Next."""', "x = 1  # NEW", "y = 2"]) == (1, [], ["2: x = 1  # NEW"])
+def test_lesson_check_catches_untagged_and_retagged_lines():
+    old = ['"""Base."""', "x = 1  # [02]", "y = 2"]
+    assert lesson(old, ['"""Next."""', "x = 1  # [02]", "", "y = 3  # [03] why", "# [03] a comment", "z = 4"],
+                  "03") == ((2, 5), ["6: z = 4"], [])
+    assert lesson(old, ['"""Next."""', "x = 1  # [03]", "y = 2"], "03") == ((2, 2), [], ["2: x = 1  # [03]"])
+    assert lesson(old, ['"""Next."""', "x = 1", "y = 2"], "03") == ((2, 2), ["2: x = 1"], [])  # tag dropped
+    assert lesson(old, ['"""Next."""', "x = 1  # [02]", "y = 2  # [04]"], "03")[1] == ["3: y = 2  # [04]"]
 
 
 @pytest.mark.parametrize("script", list(BUILDS_ON))
-def test_each_script_is_its_base_plus_its_own_marked_lines(script):
+def test_each_script_is_its_base_plus_its_own_tagged_lines(script):
     base = BUILDS_ON[script]
     new = source(script)
     assert new[0].startswith(f'"""{script}: {base} + '), "the docstring's first line names the script it builds on"
-    changed, missing, stale = lesson(source(base), new)
-    assert changed <= MAX_CHANGED_LINES, f"{base} -> {script}: {changed} changed lines"
-    assert not missing, "new or changed lines without # NEW:\n" + "\n".join(missing)
-    assert not stale, f"lines kept from {base} still marked # NEW:\n" + "\n".join(stale)
+    _, missing, retagged = lesson(source(base), new, rung(script))
+    assert not missing, f"lines new in {script} without its tag [{rung(script)}] (or with another too):\n" + \
+        "\n".join(missing)
+    assert not retagged, f"lines {script} keeps from {base}, retagged:\n" + "\n".join(retagged)
+    tags = [tag for line in new for tag in TAG.findall(line)]
+    assert set(tags) <= {*ancestors(script), rung(script)}, f"tags of rungs {script} is not built on"
+
+
+def test_diff_sizes_are_the_readmes():
+    """The ladder README's table states each rung's diff: `diff BASE SCRIPT` shows -removed, +added lines."""
+    stated = {script: (base, int(minus), int(plus)) for script, base, plus, minus in
+              README_DIFF.findall((LADDER / "README.md").read_text())}
+    measured = {}
+    for script, base in BUILDS_ON.items():
+        (removed, added), _, _ = lesson(source(base), source(script), rung(script))
+        measured[script] = (rung(base), removed, added)
+    assert stated == measured
 
 
 def test_scripts_are_short_and_listed_in_the_readme():
@@ -120,7 +159,29 @@ def test_scripts_are_short_and_listed_in_the_readme():
     for script in SCRIPTS:
         assert len(source(script)) <= MAX_LINES, script
         assert f"`{script}`" in readme, script
-    assert not any(MARKER.search(line) for line in source("01_plain.py")), "the base has nothing new"
+    assert not any(TAG.search(line) for line in source("01_plain.py")), "the base has nothing new"
+
+
+@pytest.mark.parametrize("script,env,flags,hint", [
+    ("06_ddp.py", {}, [], "torchrun --nproc_per_node=2"),
+    ("08_fsdp.py", {}, [], "torchrun --nproc_per_node=2"),
+    ("07_deepspeed.py", {}, [], "torchrun --nproc_per_node=2"),
+    ("07_deepspeed.py", {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}, [], "--precision bf16-mixed"),
+])
+def test_started_the_wrong_way_a_script_says_how_in_one_line(script, env, flags, hint, monkeypatch, capsys):
+    """Without torchrun's variables (06-08), or in float16 on the CPU (07's default): one line, status 2."""
+    if "RANK" in env and __import__("torch").cuda.is_available():
+        pytest.skip("float16 is refused on the CPU only")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [str(LADDER / script), "--model", "tiny", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(LADDER / script), run_name="__main__")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err  # (stdout may hold DeepSpeed's own import-time note on a CPU)
+    assert len(err.splitlines()) == 1 and hint in err, err
 
 
 # --------------------------------------------------------------------------- running them

@@ -22,6 +22,12 @@ gradients in float32. Autocast stays on around forward so that softmax, layer no
 keep float32 as they do without FSDP. float16 needs loss scaling with a scaler that all-reduces
 its "found inf" flag, because each rank only sees its own gradient shard: `ShardedGradScaler`.
 
+Clipping (`--max-grad-norm`) needs nothing of its own: the gradients are DTensors, so the stock
+`torch.nn.utils.clip_grad_norm_` (the base strategy's) computes the whole model's norm: each
+shard's norm is a partial DTensor, combined over the ranks into one replicated total, and every
+rank scales its shard by the same factor. (FSDP1's flat gradients needed its own
+`FullyShardedDataParallel.clip_grad_norm_`; FSDP2 does not.)
+
 Checkpoints: `model_state_dict` gathers the full, unsharded state on rank 0 (a collective), so
 `best.pt` loads into a plain model. `training_state` (resume) gathers the full model and the
 full optimiser state the same way (torch.distributed.checkpoint.state_dict with
@@ -42,7 +48,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
 
 from fastpt.compile import compile_options
 from fastpt.strategies.base import Strategy
@@ -111,9 +116,6 @@ class FSDPStrategy(Strategy):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_sharded_grad_norm_(self.module.parameters(), max_norm)
-
     # ------------------------------------------------------------------ state
     def model_state_dict(self) -> dict:
         """The full model on rank 0 (an all-gather per parameter: every rank must call it)."""
@@ -133,17 +135,3 @@ class FSDPStrategy(Strategy):
         self.load_model_state_dict(state["model"])
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=SCATTER)
         self.precision.load_state_dict(state["scaler"])
-
-
-def clip_sharded_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ over sharded gradients: the norm of the whole model, not of this rank's shard.
-
-    The norm of DTensor gradients is itself a partial DTensor; `full_tensor()` all-reduces it
-    so every rank scales its shard by the same factor.
-    """
-    parameters = [p for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
-    return total_norm

@@ -89,7 +89,7 @@ def main():
     torch.manual_seed(args.seed)  # the dropout masks start here, however many numbers building the model drew
 
     step, t0 = 0, time.perf_counter()
-    best_val_acc, best_epoch, best_state = -1.0, None, None  # NEW
+    best_val_acc, best_epoch, best_state = -1.0, None, None  # [02]
     for epoch in range(args.epochs):
         shuffle.manual_seed(args.seed + epoch)
         window_loss, window_start = torch.zeros((), dtype=torch.float64, device=device), step  # since the last print
@@ -109,14 +109,14 @@ def main():
                 break
         val_loss, val_acc = evaluate(model, val_loader, device)
         print(f"epoch {epoch + 1}: val loss {val_loss:.4f} acc {val_acc:.4f}, {time.perf_counter() - t0:.1f} s")
-        if val_acc > best_val_acc:  # NEW: strictly better, so a tie keeps the earlier epoch
-            best_val_acc, best_epoch = val_acc, epoch + 1  # NEW
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # NEW: a copy, not a view
+        if val_acc > best_val_acc:  # [02] strictly better, so a tie keeps the earlier epoch
+            best_val_acc, best_epoch = val_acc, epoch + 1  # [02]
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # [02] a copy, not a view
         if step == args.max_steps:
             break
-    model.load_state_dict(best_state)  # NEW
+    model.load_state_dict(best_state)  # [02]
     test_loss, test_acc = evaluate(model, test_loader, device)
-    print(f"test (best epoch {best_epoch}): loss {test_loss:.4f} acc {test_acc:.4f}")  # NEW
+    print(f"test (best epoch {best_epoch}): loss {test_loss:.4f} acc {test_acc:.4f}")  # [02]
 
 
 if __name__ == "__main__":

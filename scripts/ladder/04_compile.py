@@ -35,8 +35,8 @@ def parse_args():
     for flag in ("--train-size", "--val-size", "--test-size"):
         p.add_argument(flag, type=int, help="use the first N reviews of the split")
     p.add_argument("--max-steps", type=int, help="stop after N steps")
-    p.add_argument("--precision", default="16-mixed", choices=("32-true", "16-mixed", "bf16-mixed"))
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)  # NEW
+    p.add_argument("--precision", default="16-mixed", choices=("32-true", "16-mixed", "bf16-mixed"))  # [03]
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)  # [04]
     return p.parse_args()
 
 
@@ -53,14 +53,14 @@ def collate(items, pad_id, max_length):
 
 
 @torch.no_grad()  # no graph and no stored activations: less memory and work
-def evaluate(model, loader, device, autocast):
+def evaluate(model, loader, device, autocast):  # [03]
     """(loss, accuracy) over a split, summed on the device and read once."""
     model.eval()  # dropout off
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, reviews; a weight 0 counts none
     for batch in loader:
         input_ids, attention_mask, labels, weights = (t.to(device) for t in batch)
-        with autocast():  # evaluate the model as it trains
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        with autocast():  # [03] evaluate the model as it trains
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [03]
         losses = F.cross_entropy(logits.float(), labels, reduction="none").double()
         correct = (logits.argmax(-1) == labels).double()
         sums += torch.stack([(losses * weights).sum(), (correct * weights).sum(), weights.sum()])
@@ -89,27 +89,27 @@ def main():
     val_loader, test_loader = make_loader(val_set), make_loader(test_set)
 
     model.to(device)
-    amp_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(args.precision)
-    autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # off, it passes through
-    if args.compile:  # NEW
-        model.compile()  # NEW: in place: the same module and state_dict keys, its forward compiled
+    amp_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(args.precision)  # [03]
+    autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)  # [03]
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # [03] off, it passes through
+    if args.compile:  # [04]
+        model.compile()  # [04] in place: the same module and state_dict keys, its forward compiled
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=device.type == "cuda")
     torch.manual_seed(args.seed)  # the dropout masks start here, however many numbers building the model drew
 
     step, t0 = 0, time.perf_counter()
-    best_val_acc, best_epoch, best_state = -1.0, None, None
+    best_val_acc, best_epoch, best_state = -1.0, None, None  # [02]
     for epoch in range(args.epochs):
         shuffle.manual_seed(args.seed + epoch)
         window_loss, window_start = torch.zeros((), dtype=torch.float64, device=device), step  # since the last print
         for batch in train_loader:
             input_ids, attention_mask, labels, _ = (t.to(device) for t in batch)
-            with autocast():
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            with autocast():  # [03]
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [03]
             loss = F.cross_entropy(logits.float(), labels)
-            scaler.scale(loss).backward()  # loss x scale, so small float16 gradients do not underflow
-            scaler.step(optimizer)  # unscales the gradients; skips the step if any is inf or NaN
-            scaler.update()  # a smaller scale after an overflow, a larger one after many good steps
+            scaler.scale(loss).backward()  # [03] loss x scale, so small float16 gradients do not underflow
+            scaler.step(optimizer)  # [03] unscales the gradients; skips the step if any is inf or NaN
+            scaler.update()  # [03] a smaller scale after an overflow, a larger one after many good steps
             optimizer.zero_grad(set_to_none=True)
             step += 1
             window_loss += loss.detach().double()  # on the device: .item() would wait for the GPU every step
@@ -118,16 +118,16 @@ def main():
                 window_loss, window_start = torch.zeros_like(window_loss), step
             if step == args.max_steps:
                 break
-        val_loss, val_acc = evaluate(model, val_loader, device, autocast)
+        val_loss, val_acc = evaluate(model, val_loader, device, autocast)  # [03]
         print(f"epoch {epoch + 1}: val loss {val_loss:.4f} acc {val_acc:.4f}, {time.perf_counter() - t0:.1f} s")
-        if val_acc > best_val_acc:  # strictly better, so a tie keeps the earlier epoch
-            best_val_acc, best_epoch = val_acc, epoch + 1
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # a copy, not a view
+        if val_acc > best_val_acc:  # [02] strictly better, so a tie keeps the earlier epoch
+            best_val_acc, best_epoch = val_acc, epoch + 1  # [02]
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # [02] a copy, not a view
         if step == args.max_steps:
             break
-    model.load_state_dict(best_state)
-    test_loss, test_acc = evaluate(model, test_loader, device, autocast)
-    print(f"test (best epoch {best_epoch}): loss {test_loss:.4f} acc {test_acc:.4f}")
+    model.load_state_dict(best_state)  # [02]
+    test_loss, test_acc = evaluate(model, test_loader, device, autocast)  # [03]
+    print(f"test (best epoch {best_epoch}): loss {test_loss:.4f} acc {test_acc:.4f}")  # [02]
 
 
 if __name__ == "__main__":

@@ -1,26 +1,27 @@
 """07_deepspeed.py: 06_ddp.py + DeepSpeed ZeRO stage 2 in place of DDP.
 
-The DeepSpeed engine owns backward and the step, and shards the optimiser state and the gradients
-over the ranks: each keeps Adam's moments and the reduced gradients of its slice of the parameters
-only. With 16-bit precision the engine casts the model itself (no autocast) and keeps float32
-master weights. Replaces Lightning's `strategy="deepspeed_stage_2"`; train.py's `--deepspeed`.
+The DeepSpeed engine owns backward and the step, and shards over the N ranks the float32 master
+weights, Adam's moments and the reduced gradients: each rank keeps its slice of them only. With
+16-bit precision the engine casts the model itself (no autocast); a rank holds 2 + 14/N bytes per
+parameter instead of DDP's 16 (2 weight, 2 gradient, 12 optimiser state: 4 master + 4 + 4 Adam).
+Replaces Lightning's `strategy="deepspeed_stage_2"` (same ZeRO settings); train.py's `--deepspeed`.
 
     torchrun --nproc_per_node=2 scripts/ladder/07_deepspeed.py --model tiny --data-dir ../shared/data
 """
 
 import argparse
-import contextlib  # NEW
-import os
+import contextlib  # [07]
+import os  # [06]
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-import deepspeed  # NEW
+import deepspeed  # [07]
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # [06]
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler  # [06]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for fastpt's utilities
 from fastpt.data import prepare_splits  # noqa: E402  tokenised, cached 35k/5k/10k IMDB splits
@@ -39,8 +40,8 @@ def parse_args():
     for flag in ("--train-size", "--val-size", "--test-size"):
         p.add_argument(flag, type=int, help="use the first N reviews of the split")
     p.add_argument("--max-steps", type=int, help="stop after N steps")
-    p.add_argument("--precision", default="16-mixed", choices=("32-true", "16-mixed", "bf16-mixed"))
-    p.add_argument("--num-workers", type=int, default=4, help="batch-building processes")
+    p.add_argument("--precision", default="16-mixed", choices=("32-true", "16-mixed", "bf16-mixed"))  # [03]
+    p.add_argument("--num-workers", type=int, default=4, help="batch-building processes")  # [05]
     return p.parse_args()
 
 
@@ -56,37 +57,55 @@ def collate(items, pad_id, max_length):
     return input_ids, attention_mask, labels, weights
 
 
+class RankShare(Dataset):  # [06] one rank's share of a split: reviews rank, rank + N, rank + 2N, ...
+    def __init__(self, split, rank, world_size):  # [06] places up to a multiple of N: all ranks run as many batches
+        self.split, self.places = split, range(rank, -(-len(split) // world_size) * world_size, world_size)  # [06]
+
+    def __len__(self):  # [06]
+        return len(self.places)  # [06]
+
+    def __getitem__(self, i):  # [06]
+        tokens, label, _ = self.split[self.places[i] % len(self.split)]  # [06]
+        return tokens, label, float(self.places[i] < len(self.split))  # [06] past the end: a repeat, weight 0
+
+
 @torch.no_grad()  # no graph and no stored activations: less memory and work
-def evaluate(model, loader, device, autocast):
+def evaluate(model, loader, device, autocast):  # [03]
     """(loss, accuracy) over a split, summed on the device and read once."""
     model.eval()  # dropout off
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, reviews; a weight 0 counts none
     for batch in loader:
-        input_ids, attention_mask, labels, weights = (t.to(device, non_blocking=True) for t in batch)
-        with autocast():  # evaluate the model as it trains
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        input_ids, attention_mask, labels, weights = (t.to(device, non_blocking=True) for t in batch)  # [05]
+        with autocast():  # [03] evaluate the model as it trains
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [03]
         losses = F.cross_entropy(logits.float(), labels, reduction="none").double()
         correct = (logits.argmax(-1) == labels).double()
         sums += torch.stack([(losses * weights).sum(), (correct * weights).sum(), weights.sum()])
-    dist.all_reduce(sums)  # every rank gets the sums over the whole split
+    dist.all_reduce(sums)  # [06] every rank gets the sums over the whole split
     model.train()
     return (sums[:2] / sums[2]).tolist()
 
 
 def main():
     args = parse_args()
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the group exists, so that NCCL binds each rank to its GPU
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # rendezvous from torchrun's env
-    print0 = partial(print, flush=True) if rank == 0 else lambda *args, **kwargs: None
+    if "RANK" not in os.environ:  # [06] torchrun sets RANK, LOCAL_RANK and WORLD_SIZE in each process it starts
+        print(f"start it with torchrun: torchrun --nproc_per_node=2 {' '.join(sys.argv)}", file=sys.stderr)  # [06]
+        sys.exit(2)  # [06]
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [06]
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")  # [06]
+    if device.type == "cpu" and args.precision == "16-mixed":  # [07] DeepSpeed's CPU accelerator has no float16
+        print("on the CPU, DeepSpeed needs --precision bf16-mixed or 32-true", file=sys.stderr)  # [07]
+        sys.exit(2)  # [07]
+    if device.type == "cuda":  # [06]
+        torch.cuda.set_device(device)  # [06] before the group exists, so that NCCL binds each rank to its GPU
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # [06] rendezvous from torchrun's env
+    print0 = partial(print, flush=True) if rank == 0 else lambda *args, **kwargs: None  # [06]
     torch.manual_seed(args.seed)  # the same initial weights in every run
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.random_init)
-    if rank == 0:  # rank 0 tokenises and caches the splits first; the others read its cache
-        prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
-    dist.barrier()
+    if rank == 0:  # [06] rank 0 tokenises and caches the splits first; the others read its cache
+        prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)  # [06]
+    dist.barrier()  # [06]
     splits, _ = prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
     train_set, val_set, test_set = (splits[name].head(size) for name, size in (
         ("train", args.train_size), ("validation", args.val_size), ("test", args.test_size)))
@@ -95,59 +114,59 @@ def main():
     def make_loader(split, **kwargs):
         # Its own generator: iter(loader) draws a seed, which from the global one would shift dropout masks.
         return DataLoader(split, batch_size=args.batch_size, collate_fn=collate_fn,
-                          num_workers=args.num_workers, persistent_workers=args.num_workers > 0,
-                          pin_memory=device.type == "cuda",  # page-locked, so that the copy can be async
+                          num_workers=args.num_workers, persistent_workers=args.num_workers > 0,  # [05]
+                          pin_memory=device.type == "cuda",  # [05] page-locked, so that the copy can be async
                           generator=torch.Generator().manual_seed(args.seed), **kwargs)
 
-    def rank_share(split):  # every review on one rank; weight-0 repeats give all ranks as many batches
-        padded = -(-len(split) // world_size) * world_size
-        return [(i % len(split), float(i < len(split))) for i in range(rank, padded, world_size)]
-
-    train_loader = make_loader(train_set, sampler=DistributedSampler(train_set, seed=args.seed), drop_last=True)
-    val_loader, test_loader = (make_loader(s, sampler=rank_share(s)) for s in (val_set, test_set))
+    train_loader = make_loader(train_set, sampler=DistributedSampler(train_set, seed=args.seed), drop_last=True)  # [06]
+    val_loader, test_loader = (make_loader(RankShare(s, rank, world_size)) for s in (val_set, test_set))  # [06]
 
     model.to(device)
-    amp_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(args.precision)
-    autocast = contextlib.nullcontext  # NEW: the engine casts the model to float16 or bfloat16 itself
+    amp_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(args.precision)  # [03]
+    autocast = contextlib.nullcontext  # [07] the engine casts the model to float16 or bfloat16 itself
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=device.type == "cuda")
-    ds_config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": args.batch_size,  # NEW
-                 "train_batch_size": args.batch_size * world_size,  # NEW: micro batch x ranks, no accumulation
-                 "fp16": {"enabled": amp_dtype == torch.float16},  # NEW: with dynamic loss scaling
-                 "bf16": {"enabled": amp_dtype == torch.bfloat16}}  # NEW
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)  # NEW
-    torch.manual_seed(args.seed + rank)  # different dropout masks on each rank
+    zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,  # [07] as Lightning's deepspeed_stage_2
+            "allgather_partitions": True, "reduce_scatter": True, "sub_group_size": 10**12,  # [07] stage 3 only
+            "allgather_bucket_size": 200_000_000, "reduce_bucket_size": 200_000_000}  # [07] DeepSpeed's own: 5e8
+    ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": args.batch_size,  # [07]
+                 "train_batch_size": args.batch_size * world_size,  # [07] micro batch x ranks, no accumulation
+                 "fp16": {"enabled": amp_dtype == torch.float16},  # [07] with dynamic loss scaling
+                 "bf16": {"enabled": amp_dtype == torch.bfloat16}}  # [07]
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)  # [07]
+    torch.manual_seed(args.seed + rank)  # [06] different dropout masks on each rank
 
     step, t0 = 0, time.perf_counter()
-    best_val_acc, best_epoch, best_state = -1.0, None, None
+    best_val_acc, best_epoch, best_state = -1.0, None, None  # [02]
     for epoch in range(args.epochs):
-        train_loader.sampler.set_epoch(epoch)  # reshuffled by (seed, epoch), then split over the ranks
+        train_loader.sampler.set_epoch(epoch)  # [06] reshuffled by (seed, epoch), then split over the ranks
         window_loss, window_start = torch.zeros((), dtype=torch.float64, device=device), step  # since the last print
         for batch in train_loader:
-            input_ids, attention_mask, labels, _ = (t.to(device, non_blocking=True) for t in batch)
-            with autocast():
-                logits = engine(input_ids=input_ids, attention_mask=attention_mask).logits  # NEW
+            input_ids, attention_mask, labels, _ = (t.to(device, non_blocking=True) for t in batch)  # [05]
+            with autocast():  # [03]
+                logits = engine(input_ids=input_ids, attention_mask=attention_mask).logits  # [07]
             loss = F.cross_entropy(logits.float(), labels)
-            engine.backward(loss)  # NEW: scales the float16 loss; reduce-scatters the gradients
-            engine.step()  # NEW: unscales (float16), steps on this rank's slice, gathers the weights, zeroes grads
+            engine.backward(loss)  # [07] scales the float16 loss; reduce-scatters the gradients
+            engine.step()  # [07] unscales (float16), steps on this rank's slice, gathers the weights, zeroes grads
             step += 1
             window_loss += loss.detach().double()  # on the device: .item() would wait for the GPU every step
             if step % args.log_every == 0:
-                dist.all_reduce(window_loss)  # every rank joins; rank 0 prints the mean over ranks
-                print0(f"step {step} loss {window_loss.item() / ((step - window_start) * world_size)!r}")
+                dist.all_reduce(window_loss)  # [06] every rank joins; rank 0 prints the mean over ranks
+                print0(f"step {step} loss {window_loss.item() / ((step - window_start) * world_size)!r}")  # [06]
                 window_loss, window_start = torch.zeros_like(window_loss), step
             if step == args.max_steps:
                 break
-        val_loss, val_acc = evaluate(model, val_loader, device, autocast)
-        print0(f"epoch {epoch + 1}: val loss {val_loss:.4f} acc {val_acc:.4f}, {time.perf_counter() - t0:.1f} s")
-        if val_acc > best_val_acc:  # strictly better, so a tie keeps the earlier epoch
-            best_val_acc, best_epoch = val_acc, epoch + 1
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # a copy, not a view
+        val_loss, val_acc = evaluate(model, val_loader, device, autocast)  # [03]
+        print0(f"epoch {epoch + 1}: val loss {val_loss:.4f} acc {val_acc:.4f},"  # [06]
+               f" {time.perf_counter() - t0:.1f} s")  # [06]
+        if val_acc > best_val_acc:  # [02] strictly better, so a tie keeps the earlier epoch
+            best_val_acc, best_epoch = val_acc, epoch + 1  # [02]
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # [02] a copy, not a view
         if step == args.max_steps:
             break
-    model.load_state_dict(best_state)
-    test_loss, test_acc = evaluate(model, test_loader, device, autocast)
-    print0(f"test (best epoch {best_epoch}): loss {test_loss:.4f} acc {test_acc:.4f}")
-    dist.destroy_process_group()
+    model.load_state_dict(best_state)  # [02]
+    test_loss, test_acc = evaluate(model, test_loader, device, autocast)  # [03]
+    print0(f"test (best epoch {best_epoch}): loss {test_loss:.4f} acc {test_acc:.4f}")  # [06]
+    dist.destroy_process_group()  # [06]
 
 
 if __name__ == "__main__":

@@ -8,18 +8,18 @@ shrink to about 1/N. Replaces Lightning's `strategy="fsdp"`; train.py's `--fsdp`
 """
 
 import argparse
-import os
+import os  # [06]
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # [06]
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # NEW
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # NEW
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # [08]
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # [08]
+from torch.utils.data import DataLoader, Dataset, DistributedSampler  # [06]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for fastpt's utilities
 from fastpt.data import prepare_splits  # noqa: E402  tokenised, cached 35k/5k/10k IMDB splits
@@ -38,9 +38,9 @@ def parse_args():
     for flag in ("--train-size", "--val-size", "--test-size"):
         p.add_argument(flag, type=int, help="use the first N reviews of the split")
     p.add_argument("--max-steps", type=int, help="stop after N steps")
-    p.add_argument("--precision", default="16-mixed", choices=("32-true", "16-mixed", "bf16-mixed"))
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--num-workers", type=int, default=4, help="batch-building processes")
+    p.add_argument("--precision", default="16-mixed", choices=("32-true", "16-mixed", "bf16-mixed"))  # [03]
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)  # [04]
+    p.add_argument("--num-workers", type=int, default=4, help="batch-building processes")  # [05]
     return p.parse_args()
 
 
@@ -56,37 +56,52 @@ def collate(items, pad_id, max_length):
     return input_ids, attention_mask, labels, weights
 
 
+class RankShare(Dataset):  # [06] one rank's share of a split: reviews rank, rank + N, rank + 2N, ...
+    def __init__(self, split, rank, world_size):  # [06] places up to a multiple of N: all ranks run as many batches
+        self.split, self.places = split, range(rank, -(-len(split) // world_size) * world_size, world_size)  # [06]
+
+    def __len__(self):  # [06]
+        return len(self.places)  # [06]
+
+    def __getitem__(self, i):  # [06]
+        tokens, label, _ = self.split[self.places[i] % len(self.split)]  # [06]
+        return tokens, label, float(self.places[i] < len(self.split))  # [06] past the end: a repeat, weight 0
+
+
 @torch.no_grad()  # no graph and no stored activations: less memory and work
-def evaluate(model, loader, device, autocast):
+def evaluate(model, loader, device, autocast):  # [03]
     """(loss, accuracy) over a split, summed on the device and read once."""
     model.eval()  # dropout off
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, reviews; a weight 0 counts none
     for batch in loader:
-        input_ids, attention_mask, labels, weights = (t.to(device, non_blocking=True) for t in batch)
-        with autocast():  # evaluate the model as it trains
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        input_ids, attention_mask, labels, weights = (t.to(device, non_blocking=True) for t in batch)  # [05]
+        with autocast():  # [03] evaluate the model as it trains
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [03]
         losses = F.cross_entropy(logits.float(), labels, reduction="none").double()
         correct = (logits.argmax(-1) == labels).double()
         sums += torch.stack([(losses * weights).sum(), (correct * weights).sum(), weights.sum()])
-    dist.all_reduce(sums)  # every rank gets the sums over the whole split
+    dist.all_reduce(sums)  # [06] every rank gets the sums over the whole split
     model.train()
     return (sums[:2] / sums[2]).tolist()
 
 
 def main():
     args = parse_args()
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the group exists, so that NCCL binds each rank to its GPU
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # rendezvous from torchrun's env
-    print0 = partial(print, flush=True) if rank == 0 else lambda *args, **kwargs: None
+    if "RANK" not in os.environ:  # [06] torchrun sets RANK, LOCAL_RANK and WORLD_SIZE in each process it starts
+        print(f"start it with torchrun: torchrun --nproc_per_node=2 {' '.join(sys.argv)}", file=sys.stderr)  # [06]
+        sys.exit(2)  # [06]
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # [06]
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")  # [06]
+    if device.type == "cuda":  # [06]
+        torch.cuda.set_device(device)  # [06] before the group exists, so that NCCL binds each rank to its GPU
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # [06] rendezvous from torchrun's env
+    print0 = partial(print, flush=True) if rank == 0 else lambda *args, **kwargs: None  # [06]
     torch.manual_seed(args.seed)  # the same initial weights in every run
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.random_init)
-    if rank == 0:  # rank 0 tokenises and caches the splits first; the others read its cache
-        prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
-    dist.barrier()
+    if rank == 0:  # [06] rank 0 tokenises and caches the splits first; the others read its cache
+        prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)  # [06]
+    dist.barrier()  # [06]
     splits, _ = prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
     train_set, val_set, test_set = (splits[name].head(size) for name, size in (
         ("train", args.train_size), ("validation", args.val_size), ("test", args.test_size)))
@@ -95,64 +110,61 @@ def main():
     def make_loader(split, **kwargs):
         # Its own generator: iter(loader) draws a seed, which from the global one would shift dropout masks.
         return DataLoader(split, batch_size=args.batch_size, collate_fn=collate_fn,
-                          num_workers=args.num_workers, persistent_workers=args.num_workers > 0,
-                          pin_memory=device.type == "cuda",  # page-locked, so that the copy can be async
+                          num_workers=args.num_workers, persistent_workers=args.num_workers > 0,  # [05]
+                          pin_memory=device.type == "cuda",  # [05] page-locked, so that the copy can be async
                           generator=torch.Generator().manual_seed(args.seed), **kwargs)
 
-    def rank_share(split):  # every review on one rank; weight-0 repeats give all ranks as many batches
-        padded = -(-len(split) // world_size) * world_size
-        return [(i % len(split), float(i < len(split))) for i in range(rank, padded, world_size)]
-
-    train_loader = make_loader(train_set, sampler=DistributedSampler(train_set, seed=args.seed), drop_last=True)
-    val_loader, test_loader = (make_loader(s, sampler=rank_share(s)) for s in (val_set, test_set))
+    train_loader = make_loader(train_set, sampler=DistributedSampler(train_set, seed=args.seed), drop_last=True)  # [06]
+    val_loader, test_loader = (make_loader(RankShare(s, rank, world_size)) for s in (val_set, test_set))  # [06]
 
     model.to(device)
-    amp_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(args.precision)
-    autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-    scaler = ShardedGradScaler(device.type, enabled=amp_dtype == torch.float16)  # NEW: inf checks over all shards
-    mp_policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)  # NEW
-    layers = model.distilbert.transformer.layer if hasattr(model, "distilbert") else model.bert.encoder.layer  # NEW
-    for layer in layers:  # NEW: one shard group per transformer layer, so gathering the next overlaps this one
-        if args.compile:  # NEW
-            layer.compile()  # NEW: compile, then shard: the collectives run between compiled layers
-        fully_shard(layer, mp_policy=mp_policy)  # NEW
-    fully_shard(model, mp_policy=mp_policy)  # NEW: the rest: embeddings and classifier
+    amp_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(args.precision)  # [03]
+    autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)  # [03]
+    scaler = ShardedGradScaler(device.type, enabled=amp_dtype == torch.float16)  # [08] inf checks over all shards
+    mp_policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)  # [08]
+    layers = model.distilbert.transformer.layer if hasattr(model, "distilbert") else model.bert.encoder.layer  # [08]
+    for layer in layers:  # [08] one shard group per transformer layer, so gathering the next overlaps this one
+        if args.compile:  # [08]
+            layer.compile()  # [08] compile, then shard: the collectives run between compiled layers
+        fully_shard(layer, mp_policy=mp_policy)  # [08]
+    fully_shard(model, mp_policy=mp_policy)  # [08] the rest: embeddings and classifier
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=device.type == "cuda")
-    torch.manual_seed(args.seed + rank)  # different dropout masks on each rank
+    torch.manual_seed(args.seed + rank)  # [06] different dropout masks on each rank
 
     step, t0 = 0, time.perf_counter()
-    best_val_acc, best_epoch, best_state = -1.0, None, None
+    best_val_acc, best_epoch, best_state = -1.0, None, None  # [02]
     for epoch in range(args.epochs):
-        train_loader.sampler.set_epoch(epoch)  # reshuffled by (seed, epoch), then split over the ranks
+        train_loader.sampler.set_epoch(epoch)  # [06] reshuffled by (seed, epoch), then split over the ranks
         window_loss, window_start = torch.zeros((), dtype=torch.float64, device=device), step  # since the last print
         for batch in train_loader:
-            input_ids, attention_mask, labels, _ = (t.to(device, non_blocking=True) for t in batch)
-            with autocast():
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # NEW
+            input_ids, attention_mask, labels, _ = (t.to(device, non_blocking=True) for t in batch)  # [05]
+            with autocast():  # [03]
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [08]
             loss = F.cross_entropy(logits.float(), labels)
-            scaler.scale(loss).backward()  # loss x scale, so small float16 gradients do not underflow
-            scaler.step(optimizer)  # unscales the gradients; skips the step if any is inf or NaN
-            scaler.update()  # a smaller scale after an overflow, a larger one after many good steps
+            scaler.scale(loss).backward()  # [03] loss x scale, so small float16 gradients do not underflow
+            scaler.step(optimizer)  # [03] unscales the gradients; skips the step if any is inf or NaN
+            scaler.update()  # [03] a smaller scale after an overflow, a larger one after many good steps
             optimizer.zero_grad(set_to_none=True)
             step += 1
             window_loss += loss.detach().double()  # on the device: .item() would wait for the GPU every step
             if step % args.log_every == 0:
-                dist.all_reduce(window_loss)  # every rank joins; rank 0 prints the mean over ranks
-                print0(f"step {step} loss {window_loss.item() / ((step - window_start) * world_size)!r}")
+                dist.all_reduce(window_loss)  # [06] every rank joins; rank 0 prints the mean over ranks
+                print0(f"step {step} loss {window_loss.item() / ((step - window_start) * world_size)!r}")  # [06]
                 window_loss, window_start = torch.zeros_like(window_loss), step
             if step == args.max_steps:
                 break
-        val_loss, val_acc = evaluate(model, val_loader, device, autocast)
-        print0(f"epoch {epoch + 1}: val loss {val_loss:.4f} acc {val_acc:.4f}, {time.perf_counter() - t0:.1f} s")
-        if val_acc > best_val_acc:  # strictly better, so a tie keeps the earlier epoch
-            best_val_acc, best_epoch = val_acc, epoch + 1
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # a copy, not a view
+        val_loss, val_acc = evaluate(model, val_loader, device, autocast)  # [03]
+        print0(f"epoch {epoch + 1}: val loss {val_loss:.4f} acc {val_acc:.4f},"  # [06]
+               f" {time.perf_counter() - t0:.1f} s")  # [06]
+        if val_acc > best_val_acc:  # [02] strictly better, so a tie keeps the earlier epoch
+            best_val_acc, best_epoch = val_acc, epoch + 1  # [02]
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # [02] a copy, not a view
         if step == args.max_steps:
             break
-    model.load_state_dict(best_state)
-    test_loss, test_acc = evaluate(model, test_loader, device, autocast)
-    print0(f"test (best epoch {best_epoch}): loss {test_loss:.4f} acc {test_acc:.4f}")
-    dist.destroy_process_group()
+    model.load_state_dict(best_state)  # [02]
+    test_loss, test_acc = evaluate(model, test_loader, device, autocast)  # [03]
+    print0(f"test (best epoch {best_epoch}): loss {test_loss:.4f} acc {test_acc:.4f}")  # [06]
+    dist.destroy_process_group()  # [06]
 
 
 if __name__ == "__main__":

@@ -22,10 +22,15 @@ Lightning is needed by this script only: `pip install -r requirements-peers.txt`
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
-import lightning as L
+try:
+    import lightning as L
+except ModuleNotFoundError:
+    print("lightning_ref.py needs Lightning, an extra: pip install -r requirements-peers.txt", file=sys.stderr)
+    sys.exit(2)
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
