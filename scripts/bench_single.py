@@ -160,11 +160,17 @@ def train_command(args, name: str, out: Path) -> list[str]:
     flags += ["--random-init"] if args.random_init else []
     flags += ["--data-dir", args.data_dir] if args.data_dir else []
     flags += ["--cache-dir", args.cache_dir] if args.cache_dir else []
-    flags += CONFIGS[name]
+    flags += cap_pack_multiple(CONFIGS[name], args.max_length)  # a rounding tail is at most one review long
     if name in DISTRIBUTED:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
         return launcher + [str(ROOT / "train.py")] + flags
     return [sys.executable, str(ROOT / "train.py")] + flags
+
+
+def cap_pack_multiple(flags: list[str], max_length: int) -> list[str]:
+    """`flags` with `--pack-multiple N` lowered to `max_length` where N is larger (train.py refuses it)."""
+    return [str(min(int(f), max_length)) if i and flags[i - 1] == "--pack-multiple" else f
+            for i, f in enumerate(flags)]
 
 
 def run_config(args, name: str, timeout: float) -> dict:
@@ -297,14 +303,22 @@ def markdown(args, rows: list[dict], padding: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+def bar_chart(rows: list[dict], path: Path, title: str) -> bool:
+    """Samples/s per configuration, with the speed-up over the first; whether the chart was written.
+
+    matplotlib is an extra (requirements-dev.txt): without it one line says how to get the chart.
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print(f"no chart {path.name}: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     done = [r for r in rows if "failed" not in r]
     if not done:
-        return
+        return False
     base = done[0]["samples_per_s"]
     fig, ax = plt.subplots(figsize=(1.3 * len(done) + 2, 4))
     bars = ax.bar([r["name"] for r in done], [r["samples_per_s"] for r in done], color="tab:blue")
@@ -317,6 +331,7 @@ def bar_chart(rows: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
@@ -352,9 +367,9 @@ def main(argv=None) -> int:
     print("\n" + table)
     (out / "bench.md").write_text(table)
     (out / "bench.json").write_text(json.dumps({"args": vars(args), "rows": rows, "padding": padding}, indent=2) + "\n")
-    if args.chart:
-        bar_chart(rows, out / "bench.png", f"{args.model}, batch {args.batch_size}, length {args.max_length}")
-    print(f"written: {out}/bench.md, bench.json{', bench.png' if args.chart else ''} "
+    charted = args.chart and bar_chart(rows, out / "bench.png",
+                                       f"{args.model}, batch {args.batch_size}, length {args.max_length}")
+    print(f"written: {out}/bench.md, bench.json{', bench.png' if charted else ''} "
           f"({time.perf_counter() - started:.0f} s in all)")
     failed = [r["name"] for r in rows if "failed" in r and not r["failed"].startswith("skipped")]
     if padding and padding["bucket"] < 0.97:

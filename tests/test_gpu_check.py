@@ -13,6 +13,7 @@ import sys
 import time
 import zipfile
 from argparse import Namespace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
-from gpu_check import DRY, Budget, Row  # noqa: E402
+from gpu_check import DRY, GPU, START_MARGIN, Budget, Row  # noqa: E402
 
 
 def make_wheel(folder: Path, name: str, version: str, requires=(), tag: str = "py3-none-any") -> Path:
@@ -66,18 +67,23 @@ def test_best_row_flags_are_train_py_flags():
     known = build_parser()._option_string_actions
     assert all(f in known for f in gpu_check.BEST_FLAGS if f.startswith("--"))
     parse_args(gpu_check.BEST_FLAGS)  # and valid together
+    for mode in (GPU, DRY):  # at each mode's --max-length, which bounds --pack-multiple
+        best = gpu_check.plan_rows(Namespace(rows="best", no_compile=False, dry=mode is DRY), gpu_check.BEST_FLAGS)
+        parse_args(["--max-length", str(mode.max_length), *best[0].flags])
     flags, note = gpu_check.choose_best_flags(Namespace(best_flags=None))
     assert flags == gpu_check.BEST_FLAGS and "BEST_FLAGS" in note
     assert gpu_check.choose_best_flags(Namespace(best_flags="--amp --pack"))[0] == ["--amp", "--pack"]
 
 
-def test_rows_pair_each_article_configuration_with_lightning():
+def test_rows_run_by_value_and_pair_each_article_configuration_with_lightning():
     args = Namespace(rows=None, no_compile=False, dry=False)
     rows = gpu_check.plan_rows(args, ["--amp", "--compile", "--compile-mode", "reduce-overhead"])
     names = [r.name for r in rows]
-    assert names[:6] == ["fp32", "fp32-lightning", "fp16", "fp16-lightning", "fp16-compile", "fp16-compile-lightning"]
-    assert [r.pair for r in rows[1:6:2]] == ["fp32", "fp16", "fp16-compile"]
-    assert (rows[2].flags, rows[3].flags) == (["--amp"], ["--precision", "16"])
+    # fastpt's headline first (the full run and the probe reuse the best row's warm cache), then the pairs
+    assert names == ["best", "best-full-run", "best-probe", "fp32", "fp32-lightning", "fp16", "fp16-lightning",
+                     "fp16-compile", "fp16-compile-lightning", "deepspeed"]
+    assert [r.pair for r in rows[4:9:2]] == ["fp32", "fp16", "fp16-compile"]
+    assert (rows[5].flags, rows[6].flags) == (["--amp"], ["--precision", "16"])
     dry = gpu_check.plan_rows(Namespace(rows="fp16,fp16-lightning", no_compile=False, dry=True), [])
     # bf16 on both sides, as Lightning does on a CPU
     assert [r.flags for r in dry] == [["--amp", "--amp-dtype", "bfloat16"], ["--precision", "bf16"]]
@@ -86,20 +92,155 @@ def test_rows_pair_each_article_configuration_with_lightning():
         == [("best", ["--amp"]), ("best-probe", ["--amp"])]
 
 
-def test_a_row_that_would_overrun_is_skipped_and_marked(tmp_path):
-    args = Namespace(runs_dir=str(tmp_path), data_dir=None, cache_dir=None)
-    row = Row("fp32", "fastpt", [])
-    gpu_check.run_row(row, DRY, args, Budget(time.time(), budget_s=30, reserve_s=15), done=[])
-    assert row.status.startswith(f"skipped: needs ~{1.15 * DRY.prior_s['eager']:.0f} s, 15 s left")
-    assert not (tmp_path / "fp32").exists()  # nothing started, nothing half-written
-    compiled = Row("fp16-compile", "fastpt", ["--amp", "--compile"], status="ok", wall_s=100.0)
-    assert Budget.estimate(Row("best", "fastpt", ["--compile"]), [compiled], DRY) == pytest.approx(115.0)
+def test_a_row_starts_only_where_its_estimate_with_the_margin_fits():
+    prior = DRY.prior_s["eager"]  # nothing run yet: the prior
+    started = []
+    for left, expected in ((START_MARGIN * prior - 1, None), (START_MARGIN * prior + 1, START_MARGIN * prior + 1)):
+        row = Row("fp32", "fastpt", [])
+        budget = Budget(0.0, budget_s=left + 15, reserve_s=15, clock=lambda: 0.0)
+        gpu_check.run_rows([row], DRY, budget, lambda r, timeout: started.append((r.name, timeout)))
+        if expected is None:
+            assert row.status == (f"skipped for time: needs ~{prior:.0f} s (x1.5: {1.5 * prior:.0f} s), "
+                                  f"{left:.0f} s left")
+        else:
+            assert row.status == "pending" and row.estimate_s == prior  # handed to the launcher
+    # started with all the time left: a row that runs as estimated is never stopped by its timeout
+    assert started == [("fp32", pytest.approx(START_MARGIN * prior + 1))]
+
+
+def test_estimates_come_from_the_rows_before():
+    compiled = Row("fp16-compile", "fastpt", ["--amp", "--compile"], status="ok", wall_s=100.0,
+                   result={"samples_per_s": 50.0, "compile_time_s": 60.0})
+    assert Budget.estimate(Row("other", "fastpt", ["--compile"]), [compiled], DRY) == pytest.approx(100.0)
     assert Budget.estimate(Row("best-full-run", "fastpt", [], kind="full"), [compiled], DRY) == float("inf")
-    best = Row("best", "fastpt", ["--amp"], status="ok", wall_s=100.0, result={"samples_per_s": 12.0})
-    # its start-up and compile, 3 epochs of 60 at 12/s, 3 x 24 + 24 evaluated at ~3x the training rate
-    expected = 1.15 * (100 + 3 * 60 / 12 + (3 * 24 + 24) / 36)
-    full = Row("best-full-run", "fastpt", ["--amp"], kind="full")
+    # the probe: the same flags again, compiled from the cache the first run left (half its compile time)
+    assert Budget.estimate(Row("probe", "fastpt", ["--amp", "--compile"], kind="probe"), [compiled], DRY) \
+        == pytest.approx(100 - 0.5 * 60)
+    # The full run: the short run again from a warm cache, 3 epochs of 60 at 12/s, 3 x 24 + 24 evaluated at
+    # the validation rate without compiling (48 reviews in 2 s: 24/s), not val_time_s (26 s, compiling).
+    result = {"samples_per_s": 12.0, "compile_time_s": 40.0, "val_time_s": 26.0, "val_time_no_compile_s": 2.0,
+              "val_examples": 48, "epochs_run": 1}
+    best = Row("best", "fastpt", ["--amp", "--compile"], status="ok", wall_s=100.0, result=result)
+    full = Row("best-full-run", "fastpt", ["--amp", "--compile"], kind="full")
+    expected = (100 - 0.5 * 40) + 3 * 60 / 12 + (3 * 24 + 24) / 24
     assert Budget.estimate(full, [best], DRY) == pytest.approx(expected)
+    # results.json from before val_time_no_compile_s: a compiled run's val_time_s is no rate (~3x training's)
+    old = Row("best", "fastpt", ["--amp", "--compile"], status="ok", wall_s=100.0,
+              result={k: v for k, v in result.items() if k != "val_time_no_compile_s"})
+    assert Budget.estimate(full, [old], DRY) == pytest.approx(expected - 4 + 96 / 36)
+
+
+def test_results_time_validation_without_its_compilation(tiny_args, tmp_path, monkeypatch):
+    """val_time_no_compile_s leaves out the host time of the evaluation calls that compiled a graph."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from fastpt import trainer
+    from fastpt.run import main
+
+    make_eval_sums, calls = trainer.make_eval_sums, []
+    monkeypatch.setitem(dynamo_utils.counters["stats"], "unique_graphs",
+                        dynamo_utils.counters["stats"]["unique_graphs"])  # restored after the test
+
+    def compiling_once(strategy, max_length):
+        eval_sums = make_eval_sums(strategy, max_length)
+
+        def first_call_compiles(model, batch):
+            calls.append(1)
+            if len(calls) == 1:  # stands for compiling the evaluation graph: host time and a new graph
+                time.sleep(0.5)
+                dynamo_utils.counters["stats"]["unique_graphs"] += 1
+            return eval_sums(model, batch)
+        return first_call_compiles
+
+    monkeypatch.setattr(trainer, "make_eval_sums", compiling_once)
+    assert main(tiny_args("--epochs", "2", "--train-size", "16", "--eval-batch-size", "8", out=tmp_path / "run")) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["epochs_run"] == 2 and len(calls) == 2 * 2 + 4  # two validations of 2 batches, test of 4
+    compiling = results["val_time_s"] - results["val_time_no_compile_s"]
+    assert 0.5 <= compiling < 0.5 + results["val_time_no_compile_s"]  # one call's compile, not the batches after
+    assert results["val_time_no_compile_s"] > 0
+
+
+# --------------------------------------------------------------------------- the planner, simulated
+
+STEP_S = {"best": 0.004, "fp32": 0.075, "fp16": 0.015, "fp16-compile": 0.01, "deepspeed": 0.02}  # on a GPU
+
+
+@dataclass
+class CostModel:
+    """A row's wall time on the GPU: set-up, the configuration's compile, its steps and evaluation."""
+    compile_s: float  # a configuration's first compile, training and evaluation graphs
+    warm_share: float = 0.15  # a compile again from a warm Inductor cache (compile-cache-cpu.md: 7.2 of 49.7 s)
+    setup_s: float = 45.0  # wheels, tokenizer, token cache, import checks: before the first row
+    startup_s: float = 15.0  # one process: imports, CUDA context, model, data
+    step_s: dict = field(default_factory=lambda: dict(STEP_S))  # batch of 12; evaluation: a third per review
+    compiled: set = field(default_factory=set)  # configurations whose compiled graphs are in the cache
+
+    def run(self, row: Row) -> tuple[float, dict]:
+        config = row.pair or row.name.removesuffix("-full-run").removesuffix("-probe")
+        step_s = self.step_s[config] * (1.1 if row.framework == "lightning" else 1.0)
+        compile_s = 0.0
+        if row.compiled:
+            key = (row.framework, tuple(row.flags))
+            compile_s = self.compile_s * (self.warm_share if key in self.compiled else 1.0)
+            self.compiled.add(key)
+        epochs, val, test = ((3, GPU.full["validation"], GPU.full["test"]) if row.kind == "full"
+                             else (1, GPU.val_size, GPU.test_size))
+        steps = {"full": 3 * GPU.full["train"] // 12, "probe": sum(GPU.probe_window) + 1}.get(row.kind, GPU.steps)
+        review_s = step_s / 12 / 3
+        wall = (self.startup_s + (10 if row.framework == "lightning" else 0) + compile_s + steps * step_s
+                + (epochs * val + test) * review_s)
+        eval_compile_s = compile_s / 3
+        return wall, {"samples_per_s": 12 / step_s, "compile_time_s": compile_s if row.compiled else None,
+                      "val_time_s": epochs * val * review_s + eval_compile_s,
+                      "val_time_no_compile_s": epochs * val * review_s, "val_examples": val, "epochs_run": epochs}
+
+
+def simulate(cost: CostModel) -> tuple[list[Row], list[dict], Budget]:
+    """The real planner (run_rows, Budget) over every GPU row, with a fake clock and rows that cost `cost`."""
+    now = [cost.setup_s]
+    budget = Budget(0.0, GPU.budget_s, clock=lambda: now[0])
+    started = []
+
+    def launch(row: Row, timeout: float) -> None:
+        started.append({"name": row.name, "left": budget.left(), "estimate": row.estimate_s, "timeout": timeout})
+        wall, result = cost.run(row)
+        row.wall_s = min(wall, timeout)
+        now[0] += row.wall_s
+        row.status, row.result = ("ok", result) if wall <= timeout else ("failed: timed out", {})
+
+    rows = gpu_check.plan_rows(Namespace(rows=None, no_compile=False, dry=False), list(gpu_check.BEST_FLAGS))
+    gpu_check.run_rows(rows, GPU, budget, launch)
+    return rows, started, budget
+
+
+@pytest.mark.parametrize("warm_share", [0.15, 1.0])
+@pytest.mark.parametrize("compile_s", [30, 60, 120])
+def test_planner_measures_the_best_row_and_its_full_run_whenever_they_fit(compile_s, warm_share):
+    cost = CostModel(compile_s, warm_share)
+    headline = [cost.run(Row("best", "fastpt", gpu_check.BEST_FLAGS))[0],
+                cost.run(Row("best-full-run", "fastpt", gpu_check.BEST_FLAGS, kind="full"))[0]]
+    cost.compiled.clear()
+    rows, started, budget = simulate(cost)
+    status = {r.name: r.status for r in rows}
+    assert cost.setup_s + sum(headline) <= budget.deadline  # they fit: both must be measured
+    assert status["best"] == status["best-full-run"] == "ok", status
+    for s in started:  # nothing started that the estimate says cannot finish, nor given a timeout that stops it
+        assert START_MARGIN * s["estimate"] <= s["left"] and s["timeout"] >= START_MARGIN * s["estimate"]
+    assert not [name for name, st in status.items() if st.startswith("failed")]
+    assert sum(r.wall_s for r in rows if r.wall_s) + cost.setup_s <= budget.deadline
+    assert all(st == "ok" or st.startswith("skipped for time") for st in status.values())
+
+
+def test_planner_skips_for_time_what_does_not_fit():
+    """A budget too short for the full run: it is skipped, not started to be killed at the deadline."""
+    cost = CostModel(120)
+    cost.setup_s = GPU.budget_s - 15 - 150 * START_MARGIN  # just enough for the best row's prior, with margin
+    rows, started, _ = simulate(cost)
+    status = {r.name: r.status for r in rows}
+    assert [s["name"] for s in started][0] == "best" and status["best"] == "ok"
+    assert status["best-full-run"].startswith("skipped for time")
+    assert not [st for st in status.values() if st.startswith("failed")]
 
 
 def test_mfu_counts_real_tokens_under_either_results_format():
@@ -123,7 +264,7 @@ def test_dry_run_stages_and_runs_the_gpu_check_end_to_end(imdb_dir, tmp_path):
     command = ["bash", "scripts/gpu_check.sh", "--dry", "--offline", "--wheel-cache", str(ROOT / ".cache" / "wheels"),
                "--stage", str(stage), "--data-dir", str(imdb_dir), "--out", str(out),
                "--runs-dir", str(tmp_path / "runs"),
-               "--rows", "fp32-lightning,best-probe,best-full-run", "--no-compile"]
+               "--rows", "fp32-lightning,best,best-probe,best-full-run", "--no-compile"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
