@@ -4,7 +4,8 @@
 - where the run is (epoch, batch in the epoch, optimiser step, training time), resumable;
 - the epoch's metric sums and the loss window since the last log line, kept on the device
   and read only at log steps (a `.item()` per step would make the host wait for the device);
-- the first step whose loss was not finite (checked at log and save steps);
+- the first step whose loss was not finite, or, under float16's GradScaler (which skips such
+  steps), the start of a long run of skipped steps (both checked at log and save steps);
 - the throughput meter, the compile clock and the progress bar;
 - log lines (at steps 1, 2, 4, ... until --log-every, then every --log-every steps), last.pt
   every --save-every steps, and a graceful stop after SIGTERM / SIGINT.
@@ -15,7 +16,9 @@ times exactly what the uninterrupted run would have.
 
 from __future__ import annotations
 
+import shlex
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -25,7 +28,16 @@ from fastpt.signals import StopRequested
 
 
 class NonFiniteLoss(RuntimeError):
-    """The training loss became NaN or infinite (outside float16 AMP, where the scaler handles it)."""
+    """Training diverged: the loss became NaN or infinite, or float16's scaler skipped step after step."""
+
+
+# float16 AMP hides a diverged run: the GradScaler skips every step whose gradients hold inf/NaN
+# and halves its scale, so the loss is NaN, nothing trains, and nothing fails. Its scale starts at
+# 2^16 and halves once per skipped step, so 16 skips in a row bring it to 1 (gradients no longer
+# scaled up at all); a healthy run skips a few steps at the start and one now and then after the
+# scale has grown. Twice that, 32 skips in a row, means gradients stayed inf/NaN while the scale fell
+# 2^32-fold from wherever it stood (2^16 down to 2^-16 from the start): the run has diverged.
+MAX_SKIPPED_STEPS_IN_A_ROW = 32
 
 
 def is_log_step(step: int, log_every: int) -> bool:
@@ -35,7 +47,8 @@ def is_log_step(step: int, log_every: int) -> bool:
 
 class Bookkeeping:
     def __init__(self, cfg, dist, out_dir, tracker, meter: metrics.Throughput, stopper, save_last: Callable[[], None],
-                 skips_nonfinite_steps: bool, lr: Callable[[], float], resume: Optional[dict] = None):
+                 skips_nonfinite_steps: bool, lr: Callable[[], float], resume: Optional[dict] = None,
+                 step_was_skipped: Optional[Callable[[], torch.Tensor]] = None):
         self.cfg, self.dist, self.device, self.out_dir = cfg, dist, dist.device, out_dir
         self.tracker, self.meter, self.stopper, self.save_last = tracker, meter, stopper, save_last
         self.skips_nonfinite_steps, self.lr = skips_nonfinite_steps, lr
@@ -50,6 +63,8 @@ class Bookkeeping:
         self.resumed_at_step = self.global_step if resume else None
         mine = resume["per_rank"][dist.rank] if resume else {}
         self.epoch_sums = self._on_device(mine.get("epoch_sums"))
+        self.step_was_skipped = step_was_skipped  # float16's scaler: did it skip the step just taken?
+        self.skipped_in_a_row = torch.zeros((), dtype=torch.long, device=self.device)
         window = mine.get("window")
         self.window_loss = self._on_device(window[0]) if window else None
         self.window_count = window[1] if window else 0
@@ -94,9 +109,14 @@ class Bookkeeping:
         self.epoch_sums += sums[:3]
         self.window_loss += sums[3]
         self.window_count += micro_batches
-        if not self.skips_nonfinite_steps:
-            self.first_bad_step = torch.where((self.first_bad_step < 0) & ~torch.isfinite(sums[3]),
-                                              self.global_step + 1, self.first_bad_step)
+        if self.skips_nonfinite_steps:  # a NaN loss is a skipped step; only a long run of them is a failure
+            skipped = self.step_was_skipped().to(self.device)
+            self.skipped_in_a_row = torch.where(skipped, self.skipped_in_a_row + 1, 0)
+            bad_from = torch.where(self.skipped_in_a_row >= MAX_SKIPPED_STEPS_IN_A_ROW,
+                                   self.global_step + 2 - self.skipped_in_a_row, -1)  # the run's first step
+        else:
+            bad_from = torch.where(torch.isfinite(sums[3]), -1, self.global_step + 1)
+        self.first_bad_step = torch.where(self.first_bad_step < 0, bad_from, self.first_bad_step)
         self.global_step += 1
         if self.first_step_s is None:  # includes compilation with --compile
             metrics.synchronize(self.device)
@@ -120,7 +140,7 @@ class Bookkeeping:
                 self.check_finite()
                 self.save_last()
             raise StopRequested(f"{self.stopper.signal_name} at step {self.global_step}, checkpoint saved; "
-                                f"resume with --resume auto --out {self.out_dir}")
+                                f"resume with --resume auto --out {shlex.quote(str(Path(self.out_dir).resolve()))}")
         self.step_start = time.perf_counter()
         return self.max_steps_reached()
 
@@ -157,8 +177,13 @@ class Bookkeeping:
     def check_finite(self) -> None:
         step = int(self.first_bad_step.item())
         if distributed.any_rank(step >= 0, self.device):
-            raise NonFiniteLoss(f"training loss became NaN/inf at step {step if step >= 0 else '(another rank)'}; "
-                                f"no checkpoint was written after it (try --amp, a lower --lr or --max-grad-norm)")
+            at = f"step {step}" if step >= 0 else "step (another rank)"
+            # No advice to change precision: float16 would only hide this (its scaler skips such steps).
+            advice = "try a lower --lr or --max-grad-norm"
+            if self.skips_nonfinite_steps:
+                raise NonFiniteLoss(f"training diverged: the float16 loss scaler skipped {MAX_SKIPPED_STEPS_IN_A_ROW} "
+                                    f"steps in a row from {at} (inf/NaN gradients at every scale it tried); {advice}")
+            raise NonFiniteLoss(f"training loss became NaN/inf at {at}; no checkpoint was written after it ({advice})")
 
     def _log(self) -> None:
         loss = (distributed.all_reduce_sum(self.window_loss.clone()).item()

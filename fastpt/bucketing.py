@@ -1,8 +1,9 @@
 """Length-grouped batching with dynamic padding (`--bucket`).
 
-What it does: each epoch, take this process's shuffled indices, cut them into mega-batches
-of `multiplier * batch_size` reviews, sort each mega-batch by token length, cut it into
-batches, and shuffle the batches. Each batch is then padded only to its own longest review.
+What it does: each epoch, take the shuffled indices, cut them into mega-batches of
+`multiplier * batch_size` reviews (the global batch: all processes' together), sort each
+mega-batch by token length, cut it into batches, and shuffle the batches; each process then
+takes its share of each batch. Each batch is padded only to its own longest review.
 
 Why it is faster: IMDB reviews average 263 tokens (training split, `<br />` removed, uncased
 BERT vocabulary) but run up to 512. Padding every review to 512 (the article) leaves 51.4% of

@@ -1,7 +1,8 @@
 """Checkpoints: written atomically, loaded safely, always without wrapper prefixes.
 
 - `save_atomic` writes to a temporary file in the same folder, flushes and fsyncs it, then
-  renames it over the target: a crash mid-write leaves the previous file intact.
+  renames it over the target: a crash mid-write leaves the previous file intact. A full disk
+  removes the temporary file and says how many bytes the file needs (`DiskFull`).
 - `load` uses `torch.load(weights_only=True)`: only tensors and plain containers are
   unpickled, so a file crafted to run code on load is refused instead of executed.
 - Model weights come from `strategy.module`, the plain model that every strategy keeps beside
@@ -12,11 +13,13 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
 import re
-import tempfile
+import secrets
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,6 +29,10 @@ from fastpt.errors import one_line
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be read or does not fit this run."""
+
+
+class DiskFull(CheckpointError):
+    """A run file could not be written for lack of space; the previous file, if any, is intact."""
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -40,17 +47,71 @@ def write_atomic(path: Path, write) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if _disk_full(e):
+            needed = _size_of(write)
+            raise DiskFull(f"no space left in {path.parent} for {path.name}: "
+                           f"{'?' if needed is None else f'{needed:,}'} bytes needed, "
+                           f"{shutil.disk_usage(path.parent).free:,} free") from None
         raise
     _fsync_dir(path.parent)
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """Whether e, or an error it was raised while handling, says the disk or quota is full.
+
+    torch.save reports a full disk as a RuntimeError of its zip writer raised while handling the OSError."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    """A new empty file beside `path`, with the permissions a plain `open` gives (0o666 less the umask).
+
+    Not `tempfile.mkstemp`: its mode 0o600 would survive the rename, and teammates on a shared file
+    system could not read results.json or best.pt.
+    """
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+class _ByteCounter:
+    """A file that keeps nothing and counts what is written to it."""
+
+    def __init__(self):
+        self.written = 0
+
+    def write(self, data) -> int:
+        self.written += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _size_of(write) -> int | None:
+    """How many bytes `write(f)` writes, found by writing once more into nothing (only after a failure)."""
+    counter = _ByteCounter()
+    try:
+        write(counter)
+    except Exception:
+        return None
+    return counter.written
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -29,7 +29,7 @@ CHOICES = {
     "pad_to": ("max_length", "longest"),
     "device": ("auto", "cpu", "cuda"),
     "amp_dtype": ("float16", "bfloat16"),
-    "compile_mode": ("default", "max-autotune", "reduce-overhead"),
+    "compile_mode": ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"),  # see compile.py
     "attn_implementation": ("sdpa", "eager"),
     "strategy": ("single",) + STRATEGIES,
     "zero_stage": (1, 2, 3),
@@ -96,6 +96,7 @@ class TrainConfig:
     fsdp_reshard_after_forward: bool = True
     zero_stage: int = 2
     deepspeed_config: Optional[str] = None
+    dist_timeout: int = 600  # seconds any collective (and joining the group) may wait for the other ranks
 
     # Outputs and reliability.
     out: Optional[str] = None
@@ -109,7 +110,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ["max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier",
-                    "eval_batch_size"]
+                    "eval_batch_size", "dist_timeout"]
         optional_positive = ["train_size", "val_size", "test_size", "max_steps", "save_every",
                              "early_stopping_patience", "pack_multiple"]
         for name in positive:
@@ -151,6 +152,9 @@ class TrainConfig:
             raise ValueError("--pack brings its own attention kernel; drop --attn-implementation")
         if self.pack_multiple is not None and not self.pack:
             raise ValueError("--pack-multiple needs --pack")
+        if self.pack_multiple is not None and self.pack_multiple > self.max_length:
+            # The rounding tail (< --pack-multiple tokens) is one more attention sequence: see packing.py.
+            raise ValueError(f"--pack-multiple {self.pack_multiple} exceeds --max-length {self.max_length}")
         if self.data_on_device and (self.num_workers or self.pin_memory):
             raise ValueError("--data-on-device gathers batches on the device: drop --num-workers / --pin-memory")
         if self.early_stopping_patience is None and self.min_delta != 0.0:
@@ -252,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="padding-free batches: the batch's reviews end to end as one token stream")
     g.add_argument("--pack-multiple", type=int, default=None,
                    help="with --pack: round each batch's token count up to a multiple of N "
-                        "(few shapes for CUDA graphs)")
+                        "(few shapes for CUDA graphs); at most --max-length")
     g.add_argument("--data-on-device", action="store_true",
                    help="keep the tokenised splits on the device and gather batches there (no workers, no copies)")
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,
@@ -268,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --amp (default: {d.amp_dtype})")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--compile-mode", default=None, choices=CHOICES["compile_mode"],
-                   help=f"with --compile (default: {d.compile_mode})")
+                   help=f"with --compile (default: {d.compile_mode}); reduce-overhead and max-autotune "
+                        "also record CUDA graphs")
     g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None,
                    help="one fused Adam kernel (default: on with CUDA)")
     g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="per-tensor Adam")
@@ -286,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, default=None, choices=CHOICES["zero_stage"],
                    help=f"with --deepspeed (default: {d.zero_stage})")
     g.add_argument("--deepspeed-config", default=None, help="a DeepSpeed JSON config to use instead of fastpt's")
+    g.add_argument("--dist-timeout", type=int, default=d.dist_timeout, metavar="SECONDS",
+                   help="how long a rank waits for the others (joining, any collective) before it stops "
+                        "with status 1; longer than any one rank's solo work (the first tokenisation)")
 
     g = p.add_argument_group("outputs and reliability")
     g.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")

@@ -12,8 +12,8 @@ Fast loading, as the second article recommends (it replaces Lightning's DataLoad
 - `persistent_workers` keeps workers alive between epochs; `prefetch_factor` keeps batches
   queued ahead of the model.
 
-Sampling is rank-aware: training uses `DistributedSampler` (one replica in a single process)
-so every process sees its own shard, reshuffled each epoch by `set_epoch`; evaluation gives
+Sampling is rank-aware: training cuts one permutation per epoch into global batches and gives
+every process its share of each (the same order on any number of processes); evaluation gives
 every example to exactly one rank and pads ranks to equal batch counts with examples of
 weight 0, so sums over ranks count each example exactly once.
 """
@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastpt import imdb
 from fastpt.bucketing import group_by_length
@@ -100,46 +100,116 @@ def make_collator(cfg, pad_id: int):
     """Padded batches (Collator), or padding-free packed ones with --pack (packing.PackedCollator)."""
     if cfg.pack:
         from fastpt.packing import PackedCollator
-        return PackedCollator(pad_id, cfg.pack_multiple)
+        return PackedCollator(pad_id, cfg.pack_multiple, cfg.max_length)
     return Collator(pad_id, cfg.pad_to, cfg.max_length)
 
 
 # --------------------------------------------------------------------------- samplers
 
 class TrainBatchSampler(Sampler):
-    """Batches of one rank's shard of the training set, for one epoch at a time.
+    """Batches of one rank's share of each global batch, for one epoch at a time.
 
-    Shuffling and sharding are `DistributedSampler`'s (seed + epoch, padded to equal shards);
-    with `bucket` the shard is grouped by length (see bucketing.py). The last incomplete batch
-    is dropped, as the article's DataLoader does. `start_batch` skips batches already trained
-    on, so a resumed epoch continues exactly where it stopped without reading them again.
+    The epoch's order is the same for any number of processes: a permutation of the training
+    set by (seed, epoch) (DistributedSampler's), cut into global batches of world_size x
+    batch_size reviews; rank r takes places r, r + world_size, ... of each (DistributedSampler's
+    interleaving, so a run on N processes with batch B trains on what one process with batch N x B
+    does). The last incomplete global batch is dropped, as the article's DataLoader does. With
+    `bucket`, global batches are grouped by length (see bucketing.py); with `balance_tokens`
+    (--pack on several processes) each global batch is shared out so that every rank gets about
+    the same number of tokens (see `balance_tokens`).
+
+    Because a position in the epoch is a number of global batches, it means the same reviews on
+    any number of processes: `start_batch` skips the global batches already trained on, so a
+    resumed epoch continues exactly where it stopped, also on another number of processes (resize.py).
+    `offset` skips that many reviews of the order before cutting it: where a resumed run cannot keep
+    the global batch, it continues with the reviews the earlier run had not reached.
     """
 
     def __init__(self, dataset: TokenizedSplit, batch_size: int, rank: int, world_size: int,
-                 seed: int, bucket: bool = False, bucket_multiplier: int = 50):
-        self.shard = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-        self.lengths = dataset.lengths
-        self.batch_size, self.seed, self.bucket, self.multiplier = batch_size, seed, bucket, bucket_multiplier
-        self.epoch, self.start_batch = 0, 0
+                 seed: int, bucket: bool = False, bucket_multiplier: int = 50, balance_tokens: bool = False):
+        self.lengths, self.n = dataset.lengths, len(dataset)
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.bucket, self.multiplier, self.balance = seed, bucket, bucket_multiplier, balance_tokens
+        self.epoch, self.start_batch, self.offset = 0, 0, 0
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch, self.start_batch = epoch, start_batch
-        self.shard.set_epoch(epoch)
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
 
-    def batches(self) -> list[list[int]]:
-        indices = list(self.shard)
+    def set_epoch(self, epoch: int, start_batch: int = 0, offset: int = 0) -> None:
+        if offset and self.bucket:
+            raise ValueError("bucketed batches can only be skipped whole")
+        self.epoch, self.start_batch, self.offset = epoch, start_batch, offset
+
+    def global_batches(self) -> list[list[int]]:
+        """The epoch's full global batches, from `offset` on (`start_batch` is not applied here)."""
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()[self.offset:]  # DistributedSampler's permutation
+        size = self.global_batch_size
         if self.bucket:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            batches = group_by_length(indices, self.lengths, self.batch_size, self.multiplier, g)
+            batches = group_by_length(order, self.lengths, size, self.multiplier, g)
         else:
-            batches = [indices[i:i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
-        return [b for b in batches if len(b) == self.batch_size]
+            batches = [order[i:i + size] for i in range(0, len(order), size)]
+        return [b for b in batches if len(b) == size]
+
+    def shares(self, global_batch: list[int]) -> list[list[int]]:
+        """One list of batch_size reviews per rank."""
+        if self.balance and self.world_size > 1:
+            return balance_tokens(global_batch, self.lengths, self.world_size)
+        return [global_batch[r::self.world_size] for r in range(self.world_size)]
+
+    def batches(self) -> list[list[int]]:
+        return [self.shares(b)[self.rank] for b in self.global_batches()[self.start_batch:]]
 
     def __iter__(self):
-        return iter(self.batches()[self.start_batch:])
+        return iter(self.batches())
 
     def __len__(self) -> int:
-        return len(self.shard) // self.batch_size - self.start_batch
+        return (self.n - self.offset) // self.global_batch_size - self.start_batch
+
+
+def balance_tokens(global_batch: list[int], lengths, world_size: int) -> list[list[int]]:
+    """Share a global batch out so that every rank gets batch_size reviews and about the same tokens.
+
+    Why: with --pack a rank computes exactly its reviews' tokens, and a DDP step waits for the
+    rank with the most. Shared out by place, the fullest of 2 ranks holds on average 1.085x the
+    mean tokens, up to 1.42x, at 512 tokens and batch 12 (balanced: 1.004x; scripts/results/pack-balance.md).
+    Longest first, each review goes to the rank
+    with the fewest tokens that still has room (greedy "longest processing time" with equal
+    counts); the global batch, and so the step's gradient, is unchanged. Ties go to the lower rank,
+    so every rank computes the same shares without talking. Each rank keeps its reviews in
+    their order in the global batch.
+    """
+    per_rank = len(global_batch) // world_size
+    tokens, shares = [0] * world_size, [[] for _ in range(world_size)]
+    for place in sorted(range(len(global_batch)), key=lambda p: -int(lengths[global_batch[p]])):
+        rank = min((r for r in range(world_size) if len(shares[r]) < per_rank), key=lambda r: tokens[r])
+        shares[rank].append(place)
+        tokens[rank] += int(lengths[global_batch[place]])
+    return [[global_batch[p] for p in sorted(places)] for places in shares]
+
+
+def computed_tokens(cfg):
+    """tokens(lengths of a rank's batch) -> the tokens the model computes for it, padding included."""
+    if cfg.pack:
+        return sum
+    if cfg.pad_to == "longest":
+        return lambda lengths: len(lengths) * max(lengths)
+    return lambda lengths: len(lengths) * cfg.max_length
+
+
+def rank_token_imbalance(sampler: TrainBatchSampler, tokens=sum) -> float:
+    """Mean over the epoch's steps of max / mean tokens per rank: 1.0 is perfect balance.
+
+    Every step waits for the rank with the most tokens, so this is the step time lost to
+    imbalance where time follows tokens. Computed from the epoch's order, which every rank knows.
+    """
+    ratios = []
+    for global_batch in sampler.global_batches():
+        counts = [tokens([int(sampler.lengths[i]) for i in share]) for share in sampler.shares(global_batch)]
+        ratios.append(max(counts) / max(np.mean(counts), 1e-9))
+    return float(np.mean(ratios)) if ratios else 1.0
 
 
 class EvalBatchSampler(Sampler):
@@ -219,6 +289,15 @@ def default_cache_dir() -> Path:
 def cache_root(cache_dir: Optional[str]) -> Path:
     """--cache-dir, else the default: where the token cache (and the Inductor cache) live."""
     return Path(cache_dir) if cache_dir else default_cache_dir()
+
+
+def cache_setting(cache_dir: Optional[str]) -> str:
+    """The setting an error about the cache folder names: FASTPT_CACHE_DIR where the folder is its value
+    (the run's config holds the resolved folder either way), else --cache-dir."""
+    env = os.environ.get("FASTPT_CACHE_DIR")
+    if env and (not cache_dir or Path(cache_dir).resolve() == Path(env).resolve()):
+        return "FASTPT_CACHE_DIR"
+    return "--cache-dir"
 
 
 def build_cache(source: Path, tokenizer, target: Path) -> None:
@@ -311,17 +390,20 @@ def split_keys(path: Path) -> dict[str, list[str]]:
 
 
 def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer, max_length: int,
-                   is_main: bool = True, share=lambda obj: obj) -> tuple[dict[str, TokenizedSplit], Path]:
+                   builds: bool = True, gather=lambda obj: [obj],
+                   builder: int = 0) -> tuple[dict[str, TokenizedSplit], Path]:
     """Tokenised train/validation/test splits, cut to max_length.
 
-    The main process finds the data and builds the cache; `share` (a broadcast from rank 0
-    under torchrun) hands the others its cache path, or its error, so that every rank fails
-    with the same one-line message instead of waiting on a rank that has stopped. Separate
-    runs building the same cache at once take turns on a lock file: one tokenises, the others
-    wait for it and then read its finished cache.
+    The processes that `builds` (under torchrun each node's LOCAL_RANK 0) find the data and build
+    the cache, or find it built, in their own --cache-dir: nodes need not share a disk. `gather`
+    (an all-gather over ranks) then hands every rank the outcomes: each reads the cache of its
+    node's builder (global rank `builder`), and an error anywhere, or nodes whose data differ,
+    stops every rank with the same one-line message instead of leaving them waiting on one that
+    has stopped. Separate runs building the same cache at once (also nodes sharing --cache-dir)
+    take turns on a lock file: one tokenises, the others wait for it and then read its finished cache.
     """
     outcome = None
-    if is_main:
+    if builds:
         try:
             source = imdb.find_source(data_dir)
             root = cache_root(cache_dir)
@@ -331,10 +413,16 @@ def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer,
             outcome = ("ok", str(path))
         except imdb.DataError as e:
             outcome = ("error", str(e))
-    status, value = share(outcome)
-    if status == "error":
-        raise imdb.DataError(value)
-    return load_cache(Path(value), max_length, ends_with_special_token(tokenizer)), Path(value)
+    outcomes = gather(outcome)
+    errors = [value for status, value in filter(None, outcomes) if status == "error"]
+    if errors:
+        raise imdb.DataError(errors[0])
+    keys = {Path(value).name for status, value in filter(None, outcomes)}  # the key: data + tokenizer
+    if len(keys) > 1:
+        raise imdb.DataError(f"the nodes found different data ({', '.join(sorted(keys))}); "
+                             f"give every node the same --data-dir contents")
+    path = Path(outcomes[builder][1])
+    return load_cache(path, max_length, ends_with_special_token(tokenizer)), path
 
 
 def _build_once(source: Path, tokenizer, path: Path) -> None:
@@ -344,7 +432,7 @@ def _build_once(source: Path, tokenizer, path: Path) -> None:
         lock = open(path.with_name(path.name + ".lock"), "a")
     except OSError as e:
         raise imdb.DataError(f"cannot write the token cache in {path.parent}: {e.strerror or e} "
-                             f"(choose another --cache-dir)") from None
+                             f"(choose another {cache_setting(str(path.parent))})") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, also if the process dies
         if not _is_complete(path):  # another run may have built it while this one waited

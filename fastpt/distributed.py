@@ -8,13 +8,29 @@ strategy that needs a group gets a one-rank one, with the variables torchrun wou
 (DeepSpeed reads LOCAL_RANK itself), removed again by `shutdown()`.
 
 Multi-node is the same code: `torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d
---rdzv-endpoint=HOST:29500 train.py --ddp`.
+--rdzv-endpoint=HOST:29500 train.py --ddp`. No rank reads another node's disk: what ranks need
+from rank 0's files (the resume state, best.pt's weights) comes over the group (`broadcast_state`),
+and each node builds or reads its own token cache (data.prepare_splits).
+
+Elastic restarts (`torchrun --max-restarts=N`): torchrun's c10d rendezvous by default hands the
+workers a TCPStore that its agent hosts and keeps across restarts (TORCHELASTIC_USE_AGENT_STORE=True).
+The keys a killed group wrote stay in it, so in the next group the first rank to start reads
+the dead ranks' gloo/NCCL addresses and fails in `connectFullMesh ... Connection refused`, on
+every restart (pytorch/pytorch#135712; torch's own retry prefix, TORCHELASTIC_RESTART_COUNT,
+differs between nodes, so a prefix here cannot fix it). `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in
+torchrun's environment gives each rendezvous round a fresh store on a fresh port, hosted by that
+round's rank 0: a restart survives the loss of any rank; `init` prints a note when it sees the
+shared store with restarts allowed. `timeout` (--dist-timeout) bounds joining the group and every
+collective: a rank whose peers are gone or hung stops with an error (`lost_contact`) instead of
+waiting forever.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -42,7 +58,7 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init(device: str = "auto", needs_group: bool = False) -> DistInfo:
+def init(device: str = "auto", needs_group: bool = False, timeout_s: int = 600) -> DistInfo:
     """Set the device and, under torchrun, create the default process group.
 
     Strategies that need a group (DDP, FSDP, DeepSpeed) started without torchrun get a
@@ -60,12 +76,38 @@ def init(device: str = "auto", needs_group: bool = False) -> DistInfo:
     else:
         dev = torch.device("cpu")
     if launched_by_torchrun() and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10),
+        if rank == 0 and restart_may_fail():
+            print("note: torchrun --max-restarts with its agent's shared store: a restart can fail to connect "
+                  "(stale addresses); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node",
+                  file=sys.stderr)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": dev} if use_cuda else {}))
     elif needs_group and not dist.is_initialized():
         _set_one_rank_environment()
         dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(rank, local_rank, world_size, dev)
+
+
+def restart_may_fail() -> bool:
+    """An elastic run on the agent's shared store: its restarts read the dead group's addresses."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0)
+
+
+def lost_contact(error: BaseException) -> bool:
+    """Whether a collective or the group's setup failed because another rank is gone or too slow.
+
+    Gloo raises a plain RuntimeError naming its transport ("Connection closed by peer", "Timed out
+    waiting ... for recv"), NCCL and the store raise torch.distributed.DistError.
+    """
+    text = str(error)
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(mark in text for mark in ("gloo", "NCCL", "Connection closed")))
+
+
+def node_first_rank(info: DistInfo) -> int:
+    """Global rank of this node's LOCAL_RANK 0: torchrun numbers each node's ranks consecutively."""
+    return info.rank - info.local_rank
 
 
 _ONE_RANK_VARIABLES: list[str] = []  # what _set_one_rank_environment added, for shutdown() to remove
@@ -110,6 +152,28 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def broadcast_state(obj, src: int = 0):
+    """Rank src's object of tensors and plain data (a state dict, last.pt) on every rank; None stays None.
+
+    It travels as torch.save bytes, read back with weights_only=True as a checkpoint file is:
+    how the resume state and best.pt's weights reach ranks on nodes that do not see rank 0's
+    disk. The bytes go through broadcast_object_list: on NCCL via the GPU, so it briefly needs
+    their size in device memory.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    mine = dist.get_rank() == src
+    data = None
+    if mine and obj is not None:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
+    data = broadcast_object(data, src)
+    if mine or data is None:
+        return obj
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def all_gather_object(obj) -> list:

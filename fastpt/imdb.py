@@ -17,6 +17,7 @@ The split is the article's, bit for bit (checked against the fingerprints in the
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tarfile
@@ -32,6 +33,10 @@ URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
 TARBALLS = ("aclImdb_v1.tar.gz", "aclImdb_v1_labelled.tar.gz")
 FOLDERS = ("test/pos", "test/neg", "train/pos", "train/neg")  # the article's concatenation order
 SPLIT_FRACTIONS = (0.7, 0.1)  # train, validation; the rest is test
+FULL_SIZE = 50_000  # labelled reviews in IMDB v1: 25,000 in train/, 25,000 in test/
+# The article's split, fingerprinted (shared/data/README.md): the sha256 of each split's review names
+# ("train/pos/11122_10.txt", ...) in order, joined with "\n"; its first 16 hex digits.
+ARTICLE_SPLIT_SHA256 = {"train": "f1dc0bb04ab74e0d", "validation": "e8b9e7c62c0aeda4", "test": "a4937188a6b37789"}
 _MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/([^/]+\.txt)$")
 
 
@@ -114,6 +119,23 @@ def read_reviews(source: Path) -> Reviews:
         keys += [f"{folder}/{name}" for name in names]
     labels = np.array([1 if k.split("/")[1] == "pos" else 0 for k in keys], dtype=np.int64)
     return Reviews(keys=keys, texts=[found[k] for k in keys], labels=labels)
+
+
+def differs_from_article(split_keys: dict[str, list[str]]) -> Optional[str]:
+    """None if these splits (review names, in order) are the article's, else what the data is instead.
+
+    Any set of reviews in the aclImdb layout is read and split 70/10/20, so a partly extracted or
+    edited folder trains without complaint; only the fingerprints tell it from the article's data.
+    """
+    if all(hashlib.sha256("\n".join(split_keys[name]).encode()).hexdigest().startswith(digest)
+           for name, digest in ARTICLE_SPLIT_SHA256.items()):
+        return None
+    keys = [key for split in split_keys.values() for key in split]
+    if len(keys) == FULL_SIZE:
+        return f"{FULL_SIZE:,} reviews, but not IMDB v1's (the split's fingerprints differ from the article's)"
+    positive = sum(key.split("/")[1] == "pos" for key in keys) / len(keys)
+    return (f"{len(keys):,} reviews ({positive:.0%} positive), not IMDB's {FULL_SIZE:,}: they are split "
+            f"70/10/20 in proportion, not into the article's 35,000/5,000/10,000")
 
 
 def split_indices(n: int) -> dict[str, np.ndarray]:

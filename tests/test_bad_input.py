@@ -84,7 +84,7 @@ def _no_deepspeed(monkeypatch, inputs):
 
 def _pre_ampere_gpu(monkeypatch, inputs):
     """A CUDA device without bfloat16 (e.g. a V100), which this CPU machine cannot provide."""
-    monkeypatch.setattr(distributed, "init", lambda device, needs_group=False:
+    monkeypatch.setattr(distributed, "init", lambda device, needs_group=False, **_:
                         distributed.DistInfo(0, 0, 1, torch.device("cuda", 0)))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")

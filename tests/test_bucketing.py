@@ -77,9 +77,9 @@ def test_bucketing_on_top_of_the_distributed_shards():
     assert len(ranks[0]) == len(ranks[1])  # equal step counts: no rank waits in a collective
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(128))
-    plain = data.TrainBatchSampler(split, 8, 0, 2, 123)  # bucketing regroups the rank's own shard
-    plain.set_epoch(3)
-    assert set(seen[0]) == {i for b in plain for i in b}
+    # Ranks share each global batch: the steps are one process's with the global batch (16), whatever the split.
+    single = epoch_batches(split, batch_size=16, epoch=3)
+    assert [sorted(a + b) for a, b in zip(*ranks)] == [sorted(b) for b in single]
 
 
 def test_resumed_epoch_continues_with_the_same_batches():

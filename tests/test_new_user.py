@@ -154,6 +154,8 @@ def test_notes_and_resolved_config(imdb_dir, cache_dir, tmp_path, monkeypatch, c
     notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
     assert notes == [
         f"note: no checkpoint in {os.path.relpath(out)} to resume; starting a new run",
+        f"note: the data in {imdb_dir} holds 160 reviews (50% positive), not IMDB's 50,000: they are split "
+        "70/10/20 in proportion, not into the article's 35,000/5,000/10,000",
         "note: --train-size 1000 is more than the train split has; using all 112",
         "note: --test-size 500 is more than the test split has; using all 32",
         "note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX): --amp-dtype bfloat16 is emulated here "

@@ -8,10 +8,9 @@ textbook order:
         strategy.backward(loss / micro_batches)           # grad_scaler.scale(loss).backward()
     strategy.optimizer_step()                             # unscale_, clip, step, update, zero_grad
 
-Strategies differ in how they wrap the model (`wrap`), clip sharded gradients
-(`clip_grad_norm_`), run backward and step (DeepSpeed's engine owns both), and gather state
-for checkpoints (FSDP and ZeRO-3 hold shards). Every setup follows one documented order (see
-`setup`).
+Strategies differ in how they wrap the model (`wrap`), run backward and step (DeepSpeed's
+engine owns both), and gather state for checkpoints (FSDP and ZeRO-3 hold shards). Every setup
+follows one documented order (see `setup`).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import contextlib
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fastpt.amp import MixedPrecision
 from fastpt.compile import apply_compile, mark_token_dim_dynamic
@@ -39,6 +39,7 @@ class Strategy:
         self.module: torch.nn.Module | None = None  # the plain model: what checkpoints hold
         self.model: torch.nn.Module | None = None  # what the step calls: wrapped (DDP, FSDP, engine)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._previous_scale: torch.Tensor | None = None  # the loss scale after the last step (step_was_skipped)
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler:
@@ -108,13 +109,32 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale all gradients so that their global norm is at most max_norm (FSDP overrides: shards)."""
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        """Scale all gradients so that their global norm is at most max_norm; that norm, as a plain tensor.
+
+        Under FSDP2 the gradients are DTensors, and the stock call already computes the whole model's norm
+        (the shards' partial norms are combined over the ranks into one replicated total), so every rank
+        clips as one process would. Only the returned norm is still a DTensor: `full_tensor()` makes it
+        a plain tensor to log or compare (replicated already, so no communication).
+        """
+        total_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
 
     @property
     def skips_nonfinite_steps(self) -> bool:
         """True where a NaN/inf loss is expected now and then and handled (float16's GradScaler)."""
         return self.grad_scaler.is_enabled()
+
+    def step_was_skipped(self) -> torch.Tensor:
+        """Whether the scaler skipped the step just taken (inf/NaN gradients): a bool on the device, no host read.
+
+        GradScaler halves its scale on every skipped step and lowers it at no other time (it doubles
+        it after 2000 good steps in a row), so a scale below the previous step's marks a skip.
+        """
+        scale = self.grad_scaler._get_scale_async()  # the live tensor: update() changes it in place
+        # Before the first step: the scale it started from (the initial one, or the checkpoint's after a resume).
+        previous = self._previous_scale if self._previous_scale is not None else self.grad_scaler._init_scale
+        self._previous_scale = scale.clone()
+        return scale < previous
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)

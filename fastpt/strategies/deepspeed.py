@@ -6,9 +6,13 @@ optimiser step, and shards the training state over the processes (ZeRO, "zero re
 - stage 2 also shards the gradients: they are reduce-scattered, each rank keeping its part;
 - stage 3 also shards the parameters, gathered layer by layer in forward and backward (FSDP's idea).
 
-Why it helps: with Adam, optimiser state is twice the size of the parameters (four times with
-16-bit weights and float32 masters), so sharding it frees most of the memory DDP spends on
-copies. Stage 2 communicates as much as DDP (reduce-scatter + all-gather = one all-reduce), so it
+Why it helps: training with Adam holds 16 bytes per parameter before activations. In float32: 4
+for the weight, 4 for its gradient, 8 for Adam's two moments (optimiser state = 2x the weights).
+With 16-bit weights and float32 masters (--amp): 2 for the weight, 2 for the gradient, and 12 of
+optimiser state (4 for the float32 master, 4 + 4 for the moments) = 6x the 16-bit weights. DDP
+keeps all 16 bytes on every rank; on N ranks ZeRO-1 keeps 2 + 2 + 12/N, ZeRO-2 2 + 14/N, ZeRO-3
+16/N. (DeepSpeed's stages 1-2 also keep a float32 copy of each rank's slice without --amp: 4/N
+more.) Stage 2 communicates as much as DDP (reduce-scatter + all-gather = one all-reduce), so it
 is about as fast: the article measured 3.15 min on 4 A100s vs DDP's 3.52.
 
 What it costs: a dependency (optional here: fastpt runs without deepspeed installed, and this
@@ -17,21 +21,29 @@ itself (with --amp it casts the whole model to float16 or bfloat16 and keeps flo
 the optimiser, instead of autocast), and checkpoints in DeepSpeed's own sharded format.
 
 The config is generated from fastpt's flags (`deepspeed_config`): --zero-stage, fp16/bf16 from
---amp/--amp-dtype, micro batch, accumulation, clipping. `--deepspeed-config FILE` replaces it with
-the user's JSON; settings the data loader and the loop depend on are checked against the flags.
+--amp/--amp-dtype, micro batch, accumulation, clipping, and the ZeRO settings Lightning's
+`DeepSpeedStrategy` writes for `deepspeed_stage_N` (`LIGHTNING_ZERO`), so that the article's row
+is compared with the same engine: gradients reduced in 2e8-element buckets while the backward
+still runs (`overlap_comm`, which DeepSpeed by itself turns on only for stage 3), into one
+contiguous buffer. `--deepspeed-config FILE` replaces it with the user's JSON; settings the data
+loader and the loop depend on are checked against the flags.
 
 Checkpoints: resume state goes through `engine.save_checkpoint` (every rank writes its shard;
-last.pt records the tag). `best.pt` holds the consolidated float32 weights under their plain
-names, so it loads into a model without DeepSpeed.
+last.pt records the tag); a run on another number of processes loads it through DeepSpeed's
+universal checkpoint (`load_training_state`, ZeRO-1/2). `best.pt` holds the consolidated float32
+weights under their plain names, so it loads into a model without DeepSpeed.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import io
 import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,13 +53,40 @@ from fastpt.config import TrainConfig
 from fastpt.strategies.base import Strategy, _local_bytes
 
 
+def _written_by(tag_folder: Path) -> int:
+    """How many data-parallel processes wrote a ZeRO checkpoint: one optimiser-state file each."""
+    return len(list(tag_folder.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
+
+
+@contextlib.contextmanager
+def _silenced():
+    """ds_to_universal prints its arguments, steps and progress bars."""
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
+
+
+# The ZeRO section of Lightning's DeepSpeedStrategy (lightning/pytorch/strategies/deepspeed.py, its
+# __init__ defaults through _create_default_config), the same for every stage. DeepSpeed's own
+# defaults differ: overlap_comm only for stage 3, 5e8-element buckets, 1e9-element sub-groups.
+LIGHTNING_ZERO = {
+    "contiguous_gradients": True,  # copy gradients into one buffer as they are reduced: no fragmentation
+    "overlap_comm": True,  # reduce a full bucket while the backward computes the next gradients
+    "allgather_partitions": True,  # the updated slices return to every rank by all-gather
+    "reduce_scatter": True,  # each rank receives only its slice of the reduced gradients
+    "allgather_bucket_size": 200_000_000,  # elements per collective
+    "reduce_bucket_size": 200_000_000,
+    "sub_group_size": 1_000_000_000_000,  # stage 3: the optimiser steps over its slice in groups this large
+}
+
+
 def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict:
     """The DeepSpeed JSON fastpt's flags stand for, or the user's --deepspeed-config checked against them."""
     generated = {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "train_batch_size": cfg.batch_size * cfg.grad_accum * world_size,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": {"stage": cfg.zero_stage, **LIGHTNING_ZERO},
         "gradient_clipping": cfg.max_grad_norm or 0.0,
         "fp16": {"enabled": cfg.amp and cfg.amp_dtype == "float16"},  # dynamic loss scaling by default
         "bf16": {"enabled": cfg.amp and cfg.amp_dtype == "bfloat16"},
@@ -106,17 +145,24 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.INFO if self.cfg.verbose else logging.ERROR)
+        # DeepSpeed's own noise, once per rank: a print ("... shm_comm_op built successfully", on the CPU)
+        # and torch's FutureWarning on the deprecated collectives it calls. Rank 0 shows them with --verbose.
+        talk = self.cfg.verbose and self.dist.is_main
+        if not talk:
+            warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         self.ds_config = deepspeed_config(self.cfg, self.dist.world_size)
         # Our Adam, unless the user's JSON names DeepSpeed's own optimiser.
         client_optimizer = None if "optimizer" in self.ds_config else self.build_optimizer(model)
-        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
-                                                   config=self.ds_config)
+        with contextlib.nullcontext() if talk else contextlib.redirect_stdout(io.StringIO()):
+            self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
+                                                       config=self.ds_config)
         self.module = self.model.module
         self.optimizer = self.model.optimizer  # the ZeRO wrapper; param_groups reach the inner Adam
         self.zero_stage = self.model.zero_optimization_stage()
         # fp16 loss scaling happens inside the engine (its own dynamic scaler skips inf steps).
         self._skips_nonfinite = self.ds_config.get("fp16", {}).get("enabled", False)
         self._previous_tag: str | None = None
+        self._skipped_before = self.model.skipped_steps  # step_was_skipped compares with it
 
     # ------------------------------------------------------------------ the step
     def autocast(self):
@@ -148,6 +194,14 @@ class DeepSpeedStrategy(Strategy):
     @property
     def skips_nonfinite_steps(self) -> bool:
         return self._skips_nonfinite
+
+    def step_was_skipped(self) -> torch.Tensor:
+        """The engine's fp16 scaler counts its skipped steps (`skipped_steps`, a host int: the engine has
+        already read the overflow flag). Its scale is no guide: it halves only after `hysteresis` overflows
+        and stops at `min_loss_scale`."""
+        skipped = self.model.skipped_steps > self._skipped_before
+        self._skipped_before = self.model.skipped_steps
+        return torch.tensor(skipped)
 
     # ------------------------------------------------------------------ state
     def model_state_dict(self) -> dict:
@@ -193,11 +247,49 @@ class DeepSpeedStrategy(Strategy):
         return {"deepspeed_tag": tag}
 
     def load_training_state(self, state: dict, ckpt_dir: Path) -> None:
-        tag = state["deepspeed_tag"]
-        path, _ = self.model.load_checkpoint(str(ckpt_dir / "deepspeed"), tag=tag)
+        """engine.load_checkpoint; one written by another number of processes goes through a universal checkpoint.
+
+        A ZeRO checkpoint holds one optimiser shard per process, cut for that number of processes;
+        DeepSpeed refuses to load it on another ("Automatic adjustment of ZeRO's optimizer state
+        partitioning with a new world size is not currently supported"). Its universal format
+        stores every parameter's float32 weights and Adam moments whole, one folder each, and any
+        number of processes loads it (`checkpoint.load_universal`).
+        """
+        tag, folder = state["deepspeed_tag"], ckpt_dir / "deepspeed"
+        if not (folder / tag).is_dir():
+            raise ValueError(f"DeepSpeed checkpoint {folder / tag} is missing")
+        universal = _written_by(folder / tag) != self.dist.world_size
+        load_tag = self._to_universal(folder, tag) if universal else tag
+        self.model._config.load_universal_checkpoint = universal  # read by load_checkpoint only
+        try:
+            path, _ = self.model.load_checkpoint(str(folder), tag=load_tag)
+        finally:
+            self.model._config.load_universal_checkpoint = False
         if path is None:
-            raise ValueError(f"DeepSpeed checkpoint {ckpt_dir / 'deepspeed' / tag} is missing")
+            raise ValueError(f"DeepSpeed checkpoint {folder / load_tag} is missing")
         self._previous_tag = tag
+
+    def _to_universal(self, folder: Path, tag: str) -> str:
+        """Rank 0 converts `tag` with DeepSpeed's ds_to_universal (once: the result is kept); the others wait.
+
+        Rank 0 reads every rank's shard, so the checkpoint folder must be on a file system it sees.
+        """
+        universal = f"{tag}-universal"
+        if self.dist.is_main and not (folder / universal).is_dir():
+            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+            tmp = folder / f".tmp-{universal}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            args = argparse.Namespace(input_folder=str(folder / tag), output_folder=str(tmp), num_extract_workers=1,
+                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                      inject_missing_state=True)  # fastpt's engine stores no universal metadata
+            quiet = contextlib.nullcontext() if self.cfg.verbose else _silenced()
+            with quiet:
+                ds_to_universal(args)
+            os.rename(tmp, folder / universal)
+        distributed.barrier()
+        return universal
+        self._skipped_before = self.model.skipped_steps  # the checkpoint's count: not skips of this run
 
     def memory_report(self) -> dict:
         """Bytes this rank holds. Gradients are counted at the size ZeRO keeps between steps.
