@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -200,7 +201,7 @@ def run_config(args, name: str, timeout: float) -> dict:
 
 def padding_report(args) -> dict:
     """Real tokens / computed tokens on the real training split, batch --batch-size, 512 tokens."""
-    from fastpt.config import TrainConfig
+    from fastpt.loop.config import TrainConfig
 
     default = TrainConfig.bucket_multiplier
     report = split_padding(args.data_dir, args.cache_dir, args.model, args.batch_size, multipliers=(default,))
@@ -213,10 +214,10 @@ def packed_shapes(data_dir, cache_dir, model: str, batch_size: int, multiples=(N
     """(multiple, real-token share, distinct batch shapes) of `--pack [--pack-multiple M]` over one epoch
     of the real training split at 512 tokens: what rounding costs in work, and how many CUDA graphs
     (one per distinct shape) `--compile-mode reduce-overhead` would record."""
-    from fastpt import data
-    from fastpt.models import load_tokenizer
+    from fastpt.inputs import data, token_cache
+    from fastpt.inputs.models import load_tokenizer
 
-    splits, _ = data.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
+    splits, _ = token_cache.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
     train = splits["train"]
     sampler = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123)
     sampler.set_epoch(0)
@@ -231,11 +232,11 @@ def packed_shapes(data_dir, cache_dir, model: str, batch_size: int, multiples=(N
 def split_padding(data_dir, cache_dir, model: str, batch_size: int, multipliers) -> dict:
     """Padding efficiency of the whole training split at 512 tokens: padded to 512, random batches
     padded to their longest, and `--bucket` with each mega-batch multiplier (one epoch, seed 123)."""
-    from fastpt import data
-    from fastpt.bucketing import padding_efficiency
-    from fastpt.models import load_tokenizer
+    from fastpt.inputs import data, token_cache
+    from fastpt.inputs.models import load_tokenizer
+    from fastpt.speedups.bucketing import padding_efficiency
 
-    splits, _ = data.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
+    splits, _ = token_cache.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
     train = splits["train"]
 
     def batches(**bucketing) -> list:

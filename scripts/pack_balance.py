@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -36,7 +37,7 @@ def ratios(train, batch_size: int, world_size: int, balance: bool, seed: int = 1
     """max/mean tokens per rank for every step of epoch 0."""
     import numpy as np
 
-    from fastpt import data
+    from fastpt.inputs import data
 
     sampler = data.TrainBatchSampler(train, batch_size, 0, world_size, seed, balance_tokens=balance)
     out = []
@@ -49,10 +50,10 @@ def ratios(train, batch_size: int, world_size: int, balance: bool, seed: int = 1
 def imbalance_table(data_dir, cache_dir, model: str, batch_size: int) -> list[dict]:
     import numpy as np
 
-    from fastpt import data
-    from fastpt.models import load_tokenizer
+    from fastpt.inputs import token_cache
+    from fastpt.inputs.models import load_tokenizer
 
-    splits, _ = data.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
+    splits, _ = token_cache.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
     train = splits["train"]
     rows = []
     for world_size in (2, 4):
@@ -82,11 +83,12 @@ def timed_run(args, balance: bool, out: Path) -> dict:
 
 def worker(split: str, train_args: list[str]) -> int:
     """Inside torchrun: train.py's main, with the balancing switched off for 'by-place'."""
-    from fastpt import data, run
+    from fastpt.inputs import data
+    from train import main as train_main
 
     if split == "by-place":
         data.TrainBatchSampler.shares = lambda self, b: [b[r::self.world_size] for r in range(self.world_size)]
-    return run.main(train_args)
+    return train_main(train_args)
 
 
 def main() -> None:

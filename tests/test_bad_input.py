@@ -17,16 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tar_folder, write_imdb
-from fastpt import distributed
-from fastpt.run import EXIT_BAD_INPUT, main
+
+from fastpt.cli.shell import EXIT_BAD_INPUT
+from fastpt.machinery import distributed
+from train import main
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, imdb_dir, cache_dir) -> dict:
     """Broken datasets, incomplete model folders and a finished run with a checkpoint."""
-    from fastpt.models import load_model, load_tokenizer
+    from fastpt.inputs.models import load_model, load_tokenizer
 
     root = tmp_path_factory.mktemp("bad-inputs")
     made = {"empty": root / "empty"}

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastpt import data
-from fastpt.bucketing import group_by_length, padding_efficiency
+from fastpt.inputs import data, token_cache
+from fastpt.speedups.bucketing import group_by_length, padding_efficiency
 
 
 def make_split(n: int, seed: int = 0) -> data.TokenizedSplit:
@@ -126,10 +126,10 @@ def real_data_dir() -> Path | None:
 @pytest.mark.skipif(real_data_dir() is None, reason="real IMDB data not found (set FASTPT_DATA_DIR)")
 def test_real_imdb_padding_efficiency():
     """The issue's numbers on the real training split, uncased BERT vocabulary, 512 tokens."""
-    from fastpt.models import load_tokenizer
+    from fastpt.inputs.models import load_tokenizer
 
-    splits, _ = data.prepare_splits(str(real_data_dir()), os.environ.get("FASTPT_CACHE_DIR"),
-                                    load_tokenizer("distilbert-base-uncased"), 512)
+    splits, _ = token_cache.prepare_splits(str(real_data_dir()), os.environ.get("FASTPT_CACHE_DIR"),
+                                           load_tokenizer("distilbert-base-uncased"), 512)
     train = splits["train"]
     plain = data.TrainBatchSampler(train, 12, 0, 1, 123)
     bucketed = data.TrainBatchSampler(train, 12, 0, 1, 123, bucket=True)

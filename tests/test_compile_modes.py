@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastpt.config import CHOICES
+from fastpt.loop.config import CHOICES
+
 
 list_mode_options = pytest.importorskip("torch._inductor").list_mode_options
 

@@ -8,10 +8,11 @@ import tarfile
 
 import numpy as np
 import pytest
-
 from conftest import tar_folder, write_imdb
-from fastpt import data, imdb
-from fastpt.models import load_tokenizer
+
+from fastpt.inputs import data, imdb, token_cache
+from fastpt.inputs.models import load_tokenizer
+
 
 # From shared/data/README.md: the article's split, fingerprinted.
 ARTICLE_SPLIT = {
@@ -105,17 +106,17 @@ def test_offline_download_fails_with_advice(tmp_path, monkeypatch):
 
 def test_token_cache_is_reused_and_serves_every_max_length(imdb_dir, tmp_path):
     tokenizer = load_tokenizer("tiny")
-    splits, path = data.prepare_splits(str(imdb_dir), str(tmp_path), tokenizer, 32)
-    again, path_again = data.prepare_splits(str(imdb_dir), str(tmp_path), tokenizer, 32)
+    splits, path = token_cache.prepare_splits(str(imdb_dir), str(tmp_path), tokenizer, 32)
+    again, path_again = token_cache.prepare_splits(str(imdb_dir), str(tmp_path), tokenizer, 32)
     assert path == path_again
-    shorter, other = data.prepare_splits(str(imdb_dir), str(tmp_path), tokenizer, 16)
+    shorter, other = token_cache.prepare_splits(str(imdb_dir), str(tmp_path), tokenizer, 16)
     assert other == path and shorter["train"].lengths.max() <= 16  # one cache, cut on load
-    assert [len(splits[s]) for s in data.SPLITS] == [112, 16, 32]
+    assert [len(splits[s]) for s in token_cache.SPLITS] == [112, 16, 32]
     assert splits["train"].lengths.max() <= 32
     assert np.array_equal(splits["train"].ids, again["train"].ids)
     # the cached order is the article's split order
     reviews = imdb.read_reviews(imdb.find_source(str(imdb_dir)))
-    keys = data.split_keys(path)
+    keys = token_cache.split_keys(path)
     for name, idx in imdb.split_indices(len(reviews.keys)).items():
         assert keys[name] == [reviews.keys[i] for i in idx]
     # token ids are the tokenizer's, with <br /> turned into spaces
@@ -125,7 +126,7 @@ def test_token_cache_is_reused_and_serves_every_max_length(imdb_dir, tmp_path):
 
 
 def test_head_takes_the_first_examples(imdb_dir, cache_dir):
-    splits, _ = data.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
+    splits, _ = token_cache.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
     head = splits["train"].head(10)
     assert len(head) == 10
     for i in range(10):

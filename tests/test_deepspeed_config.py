@@ -12,8 +12,9 @@ import os
 
 import pytest
 
-from fastpt.config import TrainConfig
+from fastpt.loop.config import TrainConfig
 from fastpt.strategies.deepspeed import deepspeed_config
+
 
 pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before Lightning imports deepspeed: no accelerator guessing

@@ -24,13 +24,15 @@ import numpy as np
 import pytest
 import torch
 
-from fastpt import data, run
-from fastpt.checkpoint import load, load_model_weights
-from fastpt.config import TrainConfig
-from fastpt.distributed import DistInfo
-from fastpt.evaluation import evaluate
-from fastpt.models import load_model, load_tokenizer
+from fastpt.inputs import data, token_cache
+from fastpt.inputs.models import load_model, load_tokenizer
+from fastpt.loop.config import TrainConfig
+from fastpt.loop.evaluation import evaluate
+from fastpt.machinery.checkpoint import load, load_model_weights
+from fastpt.machinery.distributed import DistInfo
 from fastpt.strategies.base import Strategy
+from train import main as train_main
+
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_MANY = ROOT / "tests" / "dist" / "run_many.py"
@@ -82,13 +84,13 @@ def runs(imdb_dir, cache_dir, tmp_path_factory):
     # The reference: one process, twice the batch, same model without dropout.
     outs["single"], outs["single_pack"] = root / "single", root / "single_pack"
     with pytest.MonkeyPatch.context() as mp:
-        from fastpt import models
+        from fastpt.inputs import models
         sys.path.insert(0, str(RUN_MANY.parent))
         import run_many
         mp.setattr(models, "tiny_config", run_many.no_dropout_tiny_config)
-        assert run.main(common_args(imdb_dir, cache_dir, 2 * BATCH) + ["--out", str(outs["single"])]) == 0
-        assert run.main(common_args(imdb_dir, cache_dir, 2 * BATCH) + ["--out", str(outs["single_pack"]),
-                                                                       "--pack"]) == 0
+        assert train_main(common_args(imdb_dir, cache_dir, 2 * BATCH) + ["--out", str(outs["single"])]) == 0
+        pack_args = common_args(imdb_dir, cache_dir, 2 * BATCH) + ["--out", str(outs["single_pack"]), "--pack"]
+        assert train_main(pack_args) == 0
     return outs, reports
 
 
@@ -110,7 +112,7 @@ def plain_evaluation(best_pt: Path, imdb_dir, cache_dir) -> dict:
     strategy = Strategy(TrainConfig(), DistInfo(0, 0, 1, torch.device("cpu")))
     strategy.setup(model)
     tokenizer = load_tokenizer("tiny")
-    splits, _ = data.prepare_splits(str(imdb_dir), str(cache_dir), tokenizer, MAX_LENGTH)
+    splits, _ = token_cache.prepare_splits(str(imdb_dir), str(cache_dir), tokenizer, MAX_LENGTH)
     test = splits["test"].head(TEST_SIZE)
     loader = data.make_loader(test, data.EvalBatchSampler(test, 5, 0, 1),
                               data.Collator(tokenizer.pad_token_id or 0, "max_length", MAX_LENGTH), 0, False, 0)
@@ -237,7 +239,7 @@ def test_torchrun_train_py_ddp_bf16_compiled(imdb_dir, cache_dir, tmp_path):
 
 def test_fastpt_runs_without_deepspeed(monkeypatch, tiny_args, capsys):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
-    assert run.main(tiny_args("--deepspeed")) == 2
+    assert train_main(tiny_args("--deepspeed")) == 2
     assert "needs the deepspeed package" in capsys.readouterr().err
     from fastpt.strategies import build_strategy
     strategy = build_strategy(TrainConfig(strategy="ddp"), DistInfo(0, 0, 1, torch.device("cpu")))

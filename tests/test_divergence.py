@@ -12,9 +12,10 @@ import types
 import pytest
 import torch
 
-from fastpt import checkpoint
-from fastpt.bookkeeping import MAX_SKIPPED_STEPS_IN_A_ROW
-from fastpt.run import EXIT_FAILED, main
+from fastpt.cli.shell import EXIT_FAILED
+from fastpt.machinery import checkpoint
+from fastpt.machinery.bookkeeping import MAX_SKIPPED_STEPS_IN_A_ROW
+from train import main
 
 
 def small(tiny_args, out, *extra):
@@ -46,7 +47,7 @@ def test_a_nan_validation_loss_stops_the_run_without_a_best_checkpoint(amp, tiny
 
 def _poison_training(monkeypatch, bad_steps):
     """NaN logits in the training forward of the given (1-based) steps; validation and test stay finite."""
-    import fastpt.step as step
+    import fastpt.loop.step as step
 
     original, calls = step.classify, []
 
@@ -103,8 +104,8 @@ def test_deepspeed_fp16_skips_are_read_from_the_engine_counter():
 
 def test_the_grad_scaler_skips_are_seen_on_the_device():
     """The single-device strategy reads skips from GradScaler's scale, from the first step on."""
-    from fastpt.config import TrainConfig
-    from fastpt.distributed import DistInfo
+    from fastpt.loop.config import TrainConfig
+    from fastpt.machinery.distributed import DistInfo
     from fastpt.strategies.base import Strategy
 
     strategy = Strategy(TrainConfig(model="tiny", amp=True), DistInfo(0, 0, 1, torch.device("cpu")))

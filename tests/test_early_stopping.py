@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from fastpt.early_stopping import BestTracker, EarlyStopping
+from fastpt.loop.early_stopping import BestTracker, EarlyStopping
+
 
 # (mode, patience, min_delta, monitored values per validation check, check at which it stops or None)
 CASES = [

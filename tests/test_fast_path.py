@@ -12,9 +12,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastpt import bookkeeping, data
-from fastpt.device_data import DeviceLoader
-from fastpt.run import main
+from fastpt.inputs import data
+from fastpt.machinery import bookkeeping
+from fastpt.speedups.device_data import DeviceLoader
+from train import main
+
 
 # Ops that make the host wait for a value computed on the device: `.item()`, `bool(t)`,
 # `.tolist()` (all dispatch to _local_scalar_dense), comparisons returning a Python bool, and
@@ -63,7 +65,7 @@ def assert_same_batches(expected: list[dict], got: list[dict]) -> None:
 
 @pytest.mark.parametrize("pad_to", ["max_length", "longest", "pack", "pack-16"])
 def test_device_batches_equal_the_data_loaders(pad_to):
-    from fastpt.packing import PackedCollator
+    from fastpt.speedups.packing import PackedCollator
 
     split = made_up_split()
     collate = (data.Collator(0, pad_to, 32) if not pad_to.startswith("pack")
@@ -122,7 +124,7 @@ def tb_losses(out) -> list[float]:
 @pytest.fixture
 def no_dropout(monkeypatch):
     """The tiny model without dropout: packed attention applies none, so only then do the runs compare."""
-    from fastpt import models
+    from fastpt.inputs import models
     original = models.tiny_config
 
     def config():
@@ -159,8 +161,8 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     nothing back (CUDA's varlen kernel reads nothing either; the CPU's eager loop kernel reads
     each review's boundaries on the host, harmless there).
     """
-    from fastpt import packing
-    from fastpt.bookkeeping import Bookkeeping
+    from fastpt.machinery.bookkeeping import Bookkeeping
+    from fastpt.speedups import packing
 
     monkeypatch.setattr(packing, "packed_attention_kernel", lambda *args, **kwargs: "mask")
     all_ops = []

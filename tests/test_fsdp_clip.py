@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,8 +37,8 @@ def main() -> None:
     from torch.distributed.tensor import DTensor
 
     sys.path.insert(0, str(ROOT))
-    from fastpt.config import TrainConfig
-    from fastpt.distributed import DistInfo
+    from fastpt.loop.config import TrainConfig
+    from fastpt.machinery.distributed import DistInfo
     from fastpt.strategies.fsdp import FSDPStrategy
 
     dist.init_process_group("gloo")

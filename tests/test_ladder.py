@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+
 ROOT = Path(__file__).resolve().parent.parent
 LADDER = ROOT / "scripts" / "ladder"
 BUILDS_ON = {
@@ -220,8 +221,8 @@ def tensorboard_losses(out: Path) -> dict[int, float]:
 
 def train_py(args: list[str], out: Path) -> tuple[dict[int, float], dict]:
     """train.py's per-step losses (TensorBoard) and results.json, run in this process."""
-    from fastpt import run
-    assert run.main([*args, "--no-progress", "--out", str(out)]) == 0
+    from train import main as train_main
+    assert train_main([*args, "--no-progress", "--out", str(out)]) == 0
     return tensorboard_losses(out), json.loads((out / "results.json").read_text())
 
 

@@ -11,7 +11,7 @@ Two torchrun launchers on this machine act as two nodes (one process each, gloo)
   bitwise equal to the uninterrupted run;
 - a rank that stops answering makes every rank stop after --dist-timeout with one line, not wait.
 Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the restarted group reads the dead group's addresses
-from torchrun's store and fails in connectFullMesh (see fastpt/distributed.py).
+from torchrun's store and fails in connectFullMesh (see fastpt/machinery/distributed.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from fastpt import checkpoint
+from fastpt.machinery import checkpoint
+
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_MANY = ROOT / "tests" / "dist" / "run_many.py"
@@ -181,7 +182,7 @@ def test_elastic_restart_survives_sigkill_of_any_rank(reference, imdb_dir, tmp_p
 
 def test_a_hung_rank_stops_every_rank_after_dist_timeout(imdb_dir, tmp_path):
     """Rank 1 stops answering in step 2: rank 0 gives up after --dist-timeout with one line, then rank 1 too."""
-    command = [str(ELASTIC_KILL), "1", "2", "--hang", "25", "--no-dropout", "--",
+    command = [str(ELASTIC_KILL), "1", "2", "--hang", "12", "--no-dropout", "--",
                *flags(imdb_dir, tmp_path / "cache", tmp_path / "run", "--dist-timeout", "5")]
     start = time.perf_counter()
     [(code, output)] = launch_nodes([command], lambda node: ["--standalone", "--nproc_per_node=2"], timeout=200)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fastpt.run import EXIT_BAD_INPUT, main
+from fastpt.cli.shell import EXIT_BAD_INPUT
+from train import main
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +58,7 @@ def test_help_is_fast_and_shows_every_default_once(command):
 
 
 def test_parsing_imports_neither_torch_nor_transformers():
-    code = ("import sys; from fastpt.run import main; assert main(['--lr', '-1']) == 2; "
+    code = ("import sys; from train import main; assert main(['--lr', '-1']) == 2; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
@@ -75,7 +77,7 @@ def test_fresh_install_has_both_entry_points(tmp_path):
     """pip install into an empty venv (offline: no dependencies, the build backend from the test env)."""
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("fastpt", "pyproject.toml", "README.md"):
+    for name in ("fastpt", "train.py", "pyproject.toml", "README.md"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, source / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -89,9 +91,10 @@ def test_fresh_install_has_both_entry_points(tmp_path):
                     [str(venv / "bin" / "python"), "-m", "fastpt", "--help"]):
         proc = subprocess.run(command, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "--deepspeed" in proc.stdout, proc.stderr
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import fastpt.run; print(fastpt.run.__file__)"],
+    where = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import fastpt, train; print(fastpt.__file__, train.__file__)"],
                            cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=60)
-    assert where.stdout.startswith(str(venv)), where.stdout + where.stderr  # the installed copy, not the tree
+    assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout + where.stderr  # installed
 
 
 # ---------------------------------------------------------------------------- offline
@@ -103,7 +106,7 @@ def no_network(monkeypatch):
 
     from huggingface_hub import constants
 
-    from fastpt import models
+    from fastpt.inputs import models
 
     def unreachable(*args, **kwargs):
         raise OSError("Network is unreachable")
@@ -168,11 +171,11 @@ def test_notes_and_resolved_config(imdb_dir, cache_dir, tmp_path, monkeypatch, c
 
 def test_library_messages_stay_quiet_unless_verbose(tiny_args, capfd):
     """MiniLM's load report (coloured, from transformers) shows only with --verbose."""
-    from fastpt import run
+    from fastpt.cli import shell
 
-    run.quiet_libraries(verbose=False)
+    shell.quiet_libraries(verbose=False)
     capfd.readouterr()
-    from fastpt.models import load_model
+    from fastpt.inputs.models import load_model
     load_model("minilm", False)
     captured = capfd.readouterr()
     assert "LOAD REPORT" not in captured.out + captured.err and "\x1b[" not in captured.out + captured.err
@@ -182,8 +185,8 @@ def test_tensorboard_layout_and_applicable_hparams(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    from fastpt.config import TrainConfig
-    from fastpt.tracking import Tracker, applicable_hparams
+    from fastpt.loop.config import TrainConfig
+    from fastpt.machinery.tracking import Tracker, applicable_hparams
 
     plain = applicable_hparams(TrainConfig().to_dict())
     for unused in ("amp_dtype", "compile_mode", "zero_stage", "bucket_multiplier", "fsdp_reshard_after_forward",

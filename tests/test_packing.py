@@ -18,13 +18,14 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForSequenceClassification, BertConfig, DistilBertConfig
 
-from fastpt.compile import mark_token_dim_dynamic
-from fastpt.data import Collator
-from fastpt.packing import (PackedClassifier, PackedCollator, apply_packed_attention, is_packed,
-                            packed_attention_kernel, packed_logits, unwrap)
+from fastpt.inputs.data import Collator
+from fastpt.speedups.compile import mark_token_dim_dynamic
+from fastpt.speedups.packing import (PackedClassifier, PackedCollator, apply_packed_attention, is_packed,
+                                     packed_attention_kernel, packed_logits, unwrap)
+
 
 MAX_LENGTH = 64
-CPU_KERNELS = ("loop", "jagged", "mask")
+CPU_KERNELS = ("loop", "mask")
 
 
 def tiny_model(kind: str, seed: int = 0, attention_dropout: float = 0.0):
@@ -284,11 +285,10 @@ def test_mask_kernel_runs_without_data():
     run_on_meta("mask")
 
 
-@pytest.mark.parametrize("kernel", ["loop", "jagged"])
-def test_loop_and_jagged_kernels_read_the_offsets(kernel):
-    """They cut the stream at offsets known on the host (one sync per layer on a GPU)."""
+def test_loop_kernel_reads_the_offsets():
+    """It cuts the stream at offsets known on the host (one sync per layer on a GPU)."""
     with pytest.raises(NotImplementedError, match="meta"):
-        run_on_meta(kernel)
+        run_on_meta("loop")
 
 
 # --------------------------------------------------------------------------- checkpoints

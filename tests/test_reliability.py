@@ -24,9 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from fastpt import checkpoint
-from fastpt.run import EXIT_BAD_INPUT, main
-from fastpt.signals import EXIT_STOPPED
+from fastpt.cli.shell import EXIT_BAD_INPUT
+from fastpt.machinery import checkpoint
+from fastpt.machinery.errors import EXIT_STOPPED
+from train import main
+
 
 ROOT = Path(__file__).resolve().parent.parent
 INJECT = ROOT / "tests" / "faults" / "inject.py"
@@ -211,7 +213,7 @@ def test_sigterm_saves_checkpoint_and_exits_3(reference, imdb_dir, cache_dir, tm
 
 def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch):
     """In process, with os._exit caught: the handler must exit at once, inside the step."""
-    import fastpt.signals
+    import fastpt.machinery.signals
     from fastpt.strategies.base import Strategy
 
     class Exited(BaseException):
@@ -229,7 +231,7 @@ def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch)
             os.kill(os.getpid(), signal.SIGTERM)
         return original(self)
 
-    monkeypatch.setattr(fastpt.signals.os, "_exit", exit_now)
+    monkeypatch.setattr(fastpt.machinery.signals.os, "_exit", exit_now)
     monkeypatch.setattr(Strategy, "optimizer_step", step)
     handler_before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Exited) as exited:
@@ -323,7 +325,7 @@ def test_malicious_checkpoint_is_refused_not_run(tmp_path, imdb_dir, cache_dir, 
 
 
 def test_nan_loss_stops_naming_step_and_keeps_good_checkpoints(imdb_dir, cache_dir, tmp_path, monkeypatch, capfd):
-    import fastpt.step as step
+    import fastpt.loop.step as step
 
     out, original, calls = tmp_path / "run", step.classify, []
 
@@ -394,14 +396,14 @@ def test_concurrent_cache_builds_both_succeed(imdb_dir, tmp_path):
     """Two builds of one missing cache at once (threads here, processes in use: the same lock file)."""
     import threading
 
-    from fastpt import data
-    from fastpt.models import load_tokenizer
+    from fastpt.inputs import token_cache
+    from fastpt.inputs.models import load_tokenizer
 
     tokenizer, cache, outcomes = load_tokenizer("tiny"), tmp_path / "cache", []
 
     def build():
         try:
-            outcomes.append(data.prepare_splits(str(imdb_dir), str(cache), tokenizer, 32))
+            outcomes.append(token_cache.prepare_splits(str(imdb_dir), str(cache), tokenizer, 32))
         except Exception as e:  # noqa: BLE001 - reported by the assertion below
             outcomes.append(e)
 
@@ -417,31 +419,31 @@ def test_concurrent_cache_builds_both_succeed(imdb_dir, tmp_path):
 
 
 def test_a_cache_build_that_loses_the_race_uses_the_winners_copy(imdb_dir, tmp_path):
-    from fastpt import data, imdb
-    from fastpt.models import load_tokenizer
+    from fastpt.inputs import imdb, token_cache
+    from fastpt.inputs.models import load_tokenizer
 
     tokenizer, source = load_tokenizer("tiny"), imdb.find_source(str(imdb_dir))
-    target = tmp_path / f"imdb-{data.cache_key(source, tokenizer)}"
-    data.build_cache(source, tokenizer, target)  # the winner published first...
-    winner = data.load_cache(target, 64)
-    data.build_cache(source, tokenizer, target)  # ...the loser, having passed the same check, finishes second
-    assert np.array_equal(data.load_cache(target, 64)["train"].ids, winner["train"].ids)
+    target = tmp_path / f"imdb-{token_cache.cache_key(source, tokenizer)}"
+    token_cache.build_cache(source, tokenizer, target)  # the winner published first...
+    winner = token_cache.load_cache(target, 64)
+    token_cache.build_cache(source, tokenizer, target)  # ...the loser, having passed the same check, finishes second
+    assert np.array_equal(token_cache.load_cache(target, 64)["train"].ids, winner["train"].ids)
     assert [p.name for p in tmp_path.iterdir()] == [target.name]
 
 
 def test_the_cache_is_keyed_by_content_and_serves_every_length(imdb_dir, tmp_path):
-    from fastpt import data, imdb
-    from fastpt.models import load_tokenizer
+    from fastpt.inputs import imdb, token_cache
+    from fastpt.inputs.models import load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
     moved = tmp_path / "elsewhere"
     moved.mkdir()
     shutil.copy(imdb_dir / "aclImdb_v1.tar.gz", moved / "aclImdb_v1.tar.gz")
-    long, path = data.prepare_splits(str(imdb_dir), str(tmp_path / "cache"), tokenizer, 64)
-    short, same_path = data.prepare_splits(str(moved), str(tmp_path / "cache"), tokenizer, 12)
+    long, path = token_cache.prepare_splits(str(imdb_dir), str(tmp_path / "cache"), tokenizer, 64)
+    short, same_path = token_cache.prepare_splits(str(moved), str(tmp_path / "cache"), tokenizer, 12)
     assert same_path == path  # another path, same bytes: no second tokenisation, one cache for both lengths
     reviews = imdb.read_reviews(imdb.find_source(str(imdb_dir)))
-    keys = data.split_keys(path)["train"]
+    keys = token_cache.split_keys(path)["train"]
     for i in range(len(keys)):
         text = reviews.texts[reviews.keys.index(keys[i])].replace("<br />", " ")
         for split, length in ((short, 12), (long, 64)):

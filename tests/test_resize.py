@@ -26,9 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from fastpt import data, resize, run
-from fastpt.checkpoint import CheckpointError, load
-from fastpt.config import TrainConfig
+from fastpt.inputs import data
+from fastpt.loop.config import TrainConfig
+from fastpt.machinery import resize
+from fastpt.machinery.checkpoint import CheckpointError, load
+from train import main as train_main
+
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "dist" / "resize_runs.py"
@@ -248,5 +251,5 @@ def test_a_stopped_run_continues_on_another_number_of_processes(resized, strateg
 def test_a_different_batch_size_on_resume_is_still_refused(resized, imdb_dir, cache_dir, capsys):
     outs, _ = resized
     args = common_args(imdb_dir, cache_dir, outs["ddp", "on1"], ["--ddp", "--epochs", "2", "--resume", "auto"])
-    assert run.main([*args, "--batch-size", "5"]) == 2
+    assert train_main([*args, "--batch-size", "5"]) == 2
     assert "--batch-size was 4, now 5" in capsys.readouterr().err  # the stopped run's last.pt (2 x 4)

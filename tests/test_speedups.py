@@ -20,15 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from fastpt import data, metrics, models
-from fastpt.checkpoint import load_model_weights
-from fastpt.config import TrainConfig
-from fastpt.distributed import DistInfo
-from fastpt.evaluation import evaluate
-from fastpt.run import main
+from fastpt.inputs import data, models
+from fastpt.loop.config import TrainConfig
+from fastpt.loop.evaluation import evaluate
+from fastpt.loop.step import classify, make_forward_loss
+from fastpt.machinery import metrics
+from fastpt.machinery.checkpoint import load_model_weights
+from fastpt.machinery.distributed import DistInfo
 from fastpt.strategies import build_strategy
-from fastpt.step import classify, make_forward_loss
 from fastpt.strategies.base import Strategy
+from train import main
+
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 TINY_CONFIG = models.tiny_config  # kept: tests swap models.tiny_config for the dropout-free one

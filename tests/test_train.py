@@ -7,13 +7,15 @@ import json
 import pytest
 import torch
 
-from fastpt import checkpoint, data
-from fastpt.config import TrainConfig
-from fastpt.distributed import DistInfo
-from fastpt.evaluation import evaluate
-from fastpt.models import load_model, load_tokenizer
-from fastpt.run import main
+from fastpt.inputs import data, token_cache
+from fastpt.inputs.models import load_model, load_tokenizer
+from fastpt.loop.config import TrainConfig
+from fastpt.loop.evaluation import evaluate
+from fastpt.machinery import checkpoint
+from fastpt.machinery.distributed import DistInfo
 from fastpt.strategies.base import Strategy
+from train import main
+
 
 RESULT_KEYS = {"test_acc", "test_loss", "best_val_acc", "best_epoch", "epochs_run", "stopped_early",
                "train_time_s", "samples_per_s", "tokens_per_s", "padding_efficiency", "peak_memory_bytes",
@@ -60,7 +62,7 @@ def test_best_checkpoint_reloads_into_a_plain_model_and_reproduces_the_test_scor
     strategy = Strategy(cfg, DistInfo(0, 0, 1, torch.device("cpu")))
     strategy.setup(load_model("tiny", random_init=True))
     strategy.load_model_state_dict(best["model"])
-    splits, _ = data.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
+    splits, _ = token_cache.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
     loader = data.make_loader(splits["test"], data.EvalBatchSampler(splits["test"], 8, 0, 1),
                               data.Collator(0, "max_length", 64), 0, False, 0)
     test = evaluate(strategy, loader)
@@ -90,7 +92,7 @@ def test_evaluation_builds_no_autograd_graph_and_restores_train_mode(imdb_dir, c
     strategy.module.register_forward_hook(
         lambda module, args, output: seen.append((torch.is_grad_enabled(), output.logits.requires_grad,
                                                   module.training)))
-    splits, _ = data.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
+    splits, _ = token_cache.prepare_splits(str(imdb_dir), str(cache_dir), load_tokenizer("tiny"), 64)
     loader = data.make_loader(splits["validation"], data.EvalBatchSampler(splits["validation"], 8, 0, 1),
                               data.Collator(0, "longest", 64), 0, False, 0)
     result = evaluate(strategy, loader)

@@ -26,15 +26,17 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from test_packing import MAX_LENGTH, make_items, tiny_model
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from fastpt import packing
-from fastpt.compile import mark_token_dim_dynamic
-from fastpt.data import Collator
-from fastpt.packing import PackedClassifier, PackedCollator
-from fastpt.run import EXIT_BAD_INPUT, main
-from fastpt.step import make_forward_loss
-from test_packing import MAX_LENGTH, make_items, tiny_model
+from fastpt.cli.shell import EXIT_BAD_INPUT
+from fastpt.inputs.data import Collator
+from fastpt.loop.step import make_forward_loss
+from fastpt.speedups import packing
+from fastpt.speedups.compile import mark_token_dim_dynamic
+from fastpt.speedups.packing import PackedClassifier, PackedCollator
+from train import main
+
 
 try:
     from torch.nn.attention import varlen

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fastpt.config import TrainConfig
-from fastpt.distributed import DistInfo
+from fastpt.loop.config import TrainConfig
+from fastpt.machinery.distributed import DistInfo
 from fastpt.strategies.base import Strategy
 
 

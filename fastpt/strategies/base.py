@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from fastpt.amp import MixedPrecision
-from fastpt.compile import apply_compile, mark_token_dim_dynamic
-from fastpt.config import TrainConfig
-from fastpt.distributed import DistInfo
+from fastpt.loop.config import TrainConfig
+from fastpt.machinery.distributed import DistInfo
+from fastpt.speedups.amp import MixedPrecision
+from fastpt.speedups.compile import apply_compile, mark_token_dim_dynamic
 
 
 class Strategy:

@@ -23,7 +23,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fastpt.compile import apply_compile
+from fastpt.speedups.compile import apply_compile
 from fastpt.strategies.base import Strategy
 
 

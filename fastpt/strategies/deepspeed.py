@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from fastpt import distributed
-from fastpt.config import TrainConfig
+from fastpt.loop.config import TrainConfig
+from fastpt.machinery import distributed
 from fastpt.strategies.base import Strategy, _local_bytes
 
 

@@ -43,14 +43,14 @@ import contextlib
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from fastpt.compile import compile_options
+from fastpt.speedups.compile import compile_options
 from fastpt.strategies.base import Strategy
+
 
 # Gather to full tensors on rank 0's CPU; other ranks get an empty dict (saving is rank 0's job).
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler  # [06]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for fastpt's utilities
-from fastpt.data import prepare_splits  # noqa: E402  tokenised, cached 35k/5k/10k IMDB splits
-from fastpt.models import load_model, load_tokenizer  # noqa: E402
+from fastpt.inputs.token_cache import prepare_splits  # noqa: E402  tokenised, cached 35k/5k/10k IMDB splits
+from fastpt.inputs.models import load_model, load_tokenizer  # noqa: E402
 
 
 def parse_args():

@@ -2,15 +2,15 @@
 
 The peers (`lightning_ref.py`, `accelerate_ref.py`, `bare_loop.py`) must differ from fastpt
 in the training framework only. So everything that is not the training loop comes from
-fastpt itself: the tokeniser and model (`fastpt.models`), the cached 35k/5k/10k split and its
+fastpt itself: the tokeniser and model (`fastpt.inputs.models`), the cached 35k/5k/10k split and its
 `head(n)` subsets, the `Collator` (same padding), the rank-aware batch samplers (same
 batches on every rank, same evaluation shards), seed 123 and Adam at 5e-5.
 
-Timing follows fastpt's `train_time_s` and `samples_per_s` exactly (see fastpt/trainer.py):
+Timing follows fastpt's `train_time_s` and `samples_per_s` exactly (see fastpt/loop/run.py):
 - `train_time_s` sums, over epochs, the wall time from the start of the training epoch to
   the end of its validation; setup, checkpoint writing and the test are outside it;
 - `samples_per_s` counts training samples after the first WARMUP_STEPS optimiser steps,
-  over training time only (validation excluded), with `fastpt.metrics.Throughput`,
+  over training time only (validation excluded), with `fastpt.machinery.metrics.Throughput`,
   multiplied by the number of processes (ranks run in lockstep).
 """
 
@@ -22,15 +22,18 @@ import os
 import sys
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from fastpt import data, metrics  # noqa: E402
-from fastpt.models import count_parameters, load_model, load_tokenizer  # noqa: E402
-from fastpt.trainer import WARMUP_STEPS, seed_everything  # noqa: E402
+from fastpt.inputs import data, token_cache  # noqa: E402
+from fastpt.inputs.models import count_parameters, load_model, load_tokenizer  # noqa: E402
+from fastpt.loop.run import WARMUP_STEPS, seed_everything  # noqa: E402
+from fastpt.machinery import metrics  # noqa: E402
+
 
 PRECISIONS = ("32", "bf16", "16")  # fp32, bfloat16 autocast, float16 autocast + GradScaler
 
@@ -71,14 +74,14 @@ def load_splits(args, tokenizer, rank: int) -> dict:
     Every rank asks for it: the first builds the cache under its lock file, the others wait
     on that lock and read the finished cache (the frameworks create their process groups later).
     """
-    splits, _ = data.prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
+    splits, _ = token_cache.prepare_splits(args.data_dir, args.cache_dir, tokenizer, args.max_length)
     return {"train": splits["train"].head(args.train_size),
             "validation": splits["validation"].head(args.val_size),
             "test": splits["test"].head(args.test_size)}
 
 
 def build_inputs(args, rank: int, world_size: int):
-    """(model, loaders, train_sampler) exactly as fastpt's Trainer.build makes them (pad to max_length)."""
+    """(model, loaders, train_sampler) exactly as fastpt's loop/run.py:Run makes them (pad to max_length)."""
     seed_everything(args.seed)  # identical initial weights on every rank, as in fastpt
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.random_init)

@@ -26,18 +26,20 @@ import sys
 import time
 from pathlib import Path
 
+
 try:
     import lightning as L
 except ModuleNotFoundError:
     print("lightning_ref.py needs Lightning, an extra: pip install -r requirements-peers.txt", file=sys.stderr)
     sys.exit(2)
+import common
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-import common
-from fastpt import metrics
+from fastpt.machinery import metrics
+
 
 PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 

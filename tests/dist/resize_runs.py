@@ -16,15 +16,20 @@ import signal
 import sys
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import run_many  # noqa: E402
 
-from fastpt import data, distributed, models, run, step, trainer  # noqa: E402
+import train  # noqa: E402
+from fastpt.inputs import data, models  # noqa: E402
+from fastpt.loop import step  # noqa: E402
+from fastpt.machinery import distributed  # noqa: E402
+
 
 CURRENT = {"out": None, "steps": 0, "stop_at": None}
-_iter, _fit, _train_step = data.TrainBatchSampler.__iter__, trainer.Trainer.fit, step.train_step
+_iter, _train, _train_step = data.TrainBatchSampler.__iter__, train.train, step.train_step
 
 
 def recording_iter(self):
@@ -35,9 +40,9 @@ def recording_iter(self):
         yield batch
 
 
-def recording_fit(self):
-    CURRENT["out"], CURRENT["steps"] = self.out_dir, 0
-    return _fit(self)
+def recording_train(cfg, dist, inputs, out_dir, resume_state=None):
+    CURRENT["out"], CURRENT["steps"] = out_dir, 0
+    return _train(cfg, dist, inputs, out_dir, resume_state)
 
 
 def stopping_step(*args):
@@ -50,7 +55,7 @@ def stopping_step(*args):
 def main(argv: list[str]) -> int:
     models.tiny_config = run_many.no_dropout_tiny_config
     data.TrainBatchSampler.__iter__ = recording_iter
-    trainer.Trainer.fit = recording_fit
+    train.train = recording_train  # train.main looks it up in the module
     step.train_step = stopping_step  # train_epoch looks it up in the module
     if "--deepspeed" in argv:
         run_many.skip_deepspeed_shm_build()
@@ -65,7 +70,7 @@ def main(argv: list[str]) -> int:
     try:
         for args in runs:
             CURRENT["stop_at"] = int(args[1]) if args[0] == "--stop-at" else None
-            codes.append(run.main(args[2:] if args[0] == "--stop-at" else args))
+            codes.append(train.main(args[2:] if args[0] == "--stop-at" else args))
     finally:
         shutdown()
     print("EXITS " + json.dumps(codes), flush=True)

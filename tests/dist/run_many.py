@@ -18,9 +18,12 @@ import os
 import sys
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fastpt import distributed, models, run, trainer  # noqa: E402
+import train  # noqa: E402
+from fastpt.inputs import models  # noqa: E402
+from fastpt.machinery import distributed  # noqa: E402
 
 
 def no_dropout_tiny_config():
@@ -30,14 +33,14 @@ def no_dropout_tiny_config():
 
 
 _tiny_config = models.tiny_config
-_fit = trainer.Trainer.fit
+_train = train.train
 
 
-def fit_and_report(self):
-    results = _fit(self)
-    report = {"rank": self.dist.rank, "global_steps": results["global_steps"],
+def train_and_report(cfg, dist, inputs, out_dir, resume_state=None):
+    results = _train(cfg, dist, inputs, out_dir, resume_state)
+    report = {"rank": dist.rank, "global_steps": results["global_steps"],
               "stopped_early": results["stopped_early"], "epochs_run": results["epochs_run"]}
-    (self.out_dir / f"rank{self.dist.rank}_result.json").write_text(json.dumps(report))
+    (out_dir / f"rank{dist.rank}_result.json").write_text(json.dumps(report))
     return results
 
 
@@ -48,6 +51,7 @@ def skip_deepspeed_shm_build() -> None:
     small machine; gloo alone is correct and fast enough for a tiny model.
     """
     import importlib
+
     # By module path: the package `deepspeed.comm` re-exports the name `torch` (the torch package).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
@@ -56,7 +60,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "--no-dropout":
         models.tiny_config = no_dropout_tiny_config
         argv = argv[1:]
-    trainer.Trainer.fit = fit_and_report
+    train.train = train_and_report  # train.main looks it up in the module
     if "--deepspeed" in argv:
         skip_deepspeed_shm_build()
     runs, current = [], None
@@ -70,7 +74,7 @@ def main(argv: list[str]) -> int:
     worst = 0
     try:
         for args in runs:
-            code = run.main(args)
+            code = train.main(args)
             print("EXIT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "exit": code, "args": args}),
                   flush=True)
             worst = worst or code

@@ -16,14 +16,16 @@ import sys
 import time
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 
 from inject import at_step  # noqa: E402
 
-from fastpt import models  # noqa: E402
-from fastpt.run import main  # noqa: E402
+from fastpt.inputs import models  # noqa: E402
+from train import main  # noqa: E402
+
 
 if __name__ == "__main__":
     split = sys.argv.index("--")

@@ -17,13 +17,14 @@ import signal
 import sys
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from fastpt import checkpoint  # noqa: E402
-from fastpt.run import main  # noqa: E402
+from fastpt.machinery import checkpoint  # noqa: E402
 from fastpt.strategies.base import Strategy  # noqa: E402
+from train import main  # noqa: E402
 
 
 def at_step(k: int, action) -> None:
@@ -66,11 +67,11 @@ def die_in_save(n: int) -> None:
 
 def two_runs(first: list[str], second: list[str]) -> int:
     """Two runs in the same processes, keeping the process group: saves a torchrun launch."""
-    from fastpt import run
+    from fastpt.machinery import distributed
 
-    shutdown, run.distributed.shutdown = run.distributed.shutdown, lambda: None
+    shutdown, distributed.shutdown = distributed.shutdown, lambda: None
     status = main(first)
-    run.distributed.shutdown = shutdown
+    distributed.shutdown = shutdown
     return status or main(second)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastpt.packing import is_packed, packed_logits
+from fastpt.speedups.packing import is_packed, packed_logits
 
 
 def classify(model: torch.nn.Module, batch: dict, max_length: int) -> torch.Tensor:

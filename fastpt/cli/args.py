@@ -1,183 +1,17 @@
-"""Run configuration: one typed dataclass, built from the command line, validated once.
+"""The command line: `train.py`'s flags, parsed into a `TrainConfig` (loop/config.py).
 
-Every setting of a run lives in `TrainConfig`. `parse_args` turns `train.py`'s command line
-into one; `TrainConfig.__post_init__` checks every value and raises `ValueError` with a
-one-line message that names the bad setting, before any data is read or any folder written.
-The resolved config is saved as `config.json` next to the results and inside every checkpoint.
-
-Defaults are the article's run: distilbert-base-uncased, 3 epochs, batch 12, Adam 5e-5,
-seed 123, sequences truncated and padded to 512 tokens.
+Errors are one line on stderr and exit status 2; `--help` shows every default once. A flag
+that only means something beside another (`--amp-dtype` without `--amp`) is refused, never
+ignored: `config.NEEDS` is the one table of which setting needs which switch.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import math
 import os
 import sys
-from dataclasses import dataclass
-from typing import Optional
 
-STRATEGIES = ("ddp", "fsdp", "deepspeed")
-
-# The allowed values of every setting with a fixed set: argparse's choices and the dataclass check.
-CHOICES = {
-    "monitor": ("val_acc", "val_loss"),
-    "test_on": ("best", "last"),
-    "pad_to": ("max_length", "longest"),
-    "device": ("auto", "cpu", "cuda"),
-    "amp_dtype": ("float16", "bfloat16"),
-    "compile_mode": ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"),  # see compile.py
-    "attn_implementation": ("sdpa", "eager"),
-    "strategy": ("single",) + STRATEGIES,
-    "zero_stage": (1, 2, 3),
-}
-
-# Settings that change what a checkpoint holds: resuming with any of them changed is refused.
-RESUME_SENSITIVE = (
-    "model", "random_init", "max_length", "batch_size", "lr", "seed", "grad_accum",
-    "train_size", "strategy", "amp", "amp_dtype", "zero_stage", "bucket", "pad_to", "pack",
-)
-
-
-@dataclass
-class TrainConfig:
-    # What to train on.
-    model: str = "distilbert-base-uncased"
-    random_init: bool = False
-    data_dir: Optional[str] = None
-    cache_dir: Optional[str] = None
-    max_length: int = 512
-    train_size: Optional[int] = None
-    val_size: Optional[int] = None
-    test_size: Optional[int] = None
-
-    # The article's hyperparameters.
-    batch_size: int = 12
-    epochs: int = 3
-    lr: float = 5e-5
-    seed: int = 123
-    max_steps: Optional[int] = None
-
-    # Lightning behaviours reproduced by hand.
-    early_stopping_patience: Optional[int] = None
-    min_delta: float = 0.0
-    monitor: str = "val_acc"
-    test_on: str = "best"
-
-    # Data loading.
-    num_workers: Optional[int] = None
-    pin_memory: Optional[bool] = None
-    pad_to: str = "max_length"
-    bucket: bool = False
-    bucket_multiplier: int = 50
-    pack: bool = False
-    pack_multiple: Optional[int] = None
-    data_on_device: bool = False
-    eval_batch_size: int = 128
-
-    # Single-device speed-ups.
-    device: str = "auto"
-    amp: bool = False
-    amp_dtype: str = "float16"
-    compile: bool = False
-    compile_mode: str = "default"
-    fused_adam: Optional[bool] = None
-    tf32: bool = False
-    attn_implementation: str = "sdpa"
-    grad_accum: int = 1
-    max_grad_norm: Optional[float] = None
-    deterministic: bool = False
-
-    # Multi-process strategies.
-    strategy: str = "single"
-    fsdp_reshard_after_forward: bool = True
-    zero_stage: int = 2
-    deepspeed_config: Optional[str] = None
-    dist_timeout: int = 600  # seconds any collective (and joining the group) may wait for the other ranks
-
-    # Outputs and reliability.
-    out: Optional[str] = None
-    overwrite: bool = False
-    log_every: int = 50
-    save_every: Optional[int] = None
-    resume: Optional[str] = None
-    progress: bool = True
-    tensorboard: bool = True
-    verbose: bool = False
-
-    def __post_init__(self) -> None:
-        positive = ["max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier",
-                    "eval_batch_size", "dist_timeout"]
-        optional_positive = ["train_size", "val_size", "test_size", "max_steps", "save_every",
-                             "early_stopping_patience", "pack_multiple"]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        for name in optional_positive:
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{_flag(name)} must be positive, got {value}")
-        # float("nan") and float("inf") parse as floats; none of these settings means anything with them.
-        for name in ("lr", "min_delta", "max_grad_norm"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"--{_flag(name)} must be a finite number, got {value}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if self.max_length > 512:
-            raise ValueError(f"--max-length {self.max_length} exceeds the 512 positions of BERT-style models")
-        if self.min_delta < 0:
-            raise ValueError(f"--min-delta must be >= 0, got {self.min_delta}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
-        if self.num_workers is not None and self.num_workers < 0:
-            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{_flag(name)} must be one of {', '.join(map(str, allowed))}; "
-                                 f"got {getattr(self, name)!r}")
-        if self.bucket and self.pad_to == "max_length":
-            # Bucketing exists to pad each batch to its own longest sequence.
-            self.pad_to = "longest"
-        if self.deepspeed_config is not None and self.strategy != "deepspeed":
-            raise ValueError("--deepspeed-config needs --deepspeed")
-        if self.strategy == "deepspeed" and self.compile:
-            raise ValueError("--compile is not supported with --deepspeed (DeepSpeed wraps the model itself)")
-        if self.pack and self.bucket:
-            raise ValueError("--pack leaves no padding for --bucket to remove; use one of them")
-        if self.pack and self.attn_implementation != "sdpa":
-            raise ValueError("--pack brings its own attention kernel; drop --attn-implementation")
-        if self.pack_multiple is not None and not self.pack:
-            raise ValueError("--pack-multiple needs --pack")
-        if self.pack_multiple is not None and self.pack_multiple > self.max_length:
-            # The rounding tail (< --pack-multiple tokens) is one more attention sequence: see packing.py.
-            raise ValueError(f"--pack-multiple {self.pack_multiple} exceeds --max-length {self.max_length}")
-        if self.data_on_device and (self.num_workers or self.pin_memory):
-            raise ValueError("--data-on-device gathers batches on the device: drop --num-workers / --pin-memory")
-        if self.early_stopping_patience is None and self.min_delta != 0.0:
-            raise ValueError("--min-delta needs --early-stopping-patience")
-
-    @property
-    def varying_lengths(self) -> bool:
-        """Whether batches differ in token count (dynamic padding or packing)."""
-        return self.pad_to == "longest" or self.pack
-
-    @property
-    def monitor_mode(self) -> str:
-        return "max" if self.monitor == "val_acc" else "min"
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+from fastpt.loop.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, _flag
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -238,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("early stopping and checkpoints")
     g.add_argument("--early-stopping-patience", type=int, default=None, help="validation checks without improvement")
-    g.add_argument("--min-delta", type=float, default=d.min_delta, help="smallest change that counts as an improvement")
+    g.add_argument("--min-delta", type=float, default=None,
+                   help=f"smallest change that counts as an improvement (default: {d.min_delta})")
     g.add_argument("--monitor", default=d.monitor, choices=CHOICES["monitor"],
                    help="validation metric for best.pt and early stopping")
     g.add_argument("--test-on", default=d.test_on, choices=CHOICES["test_on"],
@@ -316,15 +151,9 @@ def parse_args(argv=None) -> TrainConfig:
         raise ValueError(f"choose one strategy, not {' and '.join('--' + c for c in chosen)}")
     args["strategy"] = chosen[0] if chosen else "single"
     # A flag that only means something beside another is refused without it, never ignored.
-    for name, needed, present in (
-        ("amp_dtype", "--amp", args["amp"]),
-        ("compile_mode", "--compile", args["compile"]),
-        ("bucket_multiplier", "--bucket", args["bucket"]),
-        ("zero_stage", "--deepspeed", args["strategy"] == "deepspeed"),
-        ("fsdp_reshard_after_forward", "--fsdp", args["strategy"] == "fsdp"),
-    ):
-        if args[name] is None:
+    for name, (switch, present) in NEEDS.items():
+        if args[name] is None:  # not given: the dataclass default
             args[name] = getattr(TrainConfig, name)
-        elif not present:
-            raise ValueError(f"--{_flag(name)} needs {needed}")
+        elif not present(args):
+            raise ValueError(f"--{_flag(name)} needs {switch}")
     return TrainConfig(**args)

@@ -10,7 +10,7 @@ strategy that needs a group gets a one-rank one, with the variables torchrun wou
 Multi-node is the same code: `torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d
 --rdzv-endpoint=HOST:29500 train.py --ddp`. No rank reads another node's disk: what ranks need
 from rank 0's files (the resume state, best.pt's weights) comes over the group (`broadcast_state`),
-and each node builds or reads its own token cache (data.prepare_splits).
+and each node builds or reads its own token cache (token_cache.prepare_splits).
 
 Elastic restarts (`torchrun --max-restarts=N`): torchrun's c10d rendezvous by default hands the
 workers a TCPStore that its agent hosts and keeps across restarts (TORCHELASTIC_USE_AGENT_STORE=True).

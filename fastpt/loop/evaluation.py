@@ -29,8 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fastpt.distributed import all_reduce_sum
-from fastpt.step import classify
+from fastpt.loop.step import classify
+from fastpt.machinery.distributed import all_reduce_sum
 
 
 def make_eval_sums(strategy, max_length: int):

@@ -29,10 +29,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer,
-                          DistilBertConfig, PreTrainedModel)
+from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig,
+                          PreTrainedModel)
 
-from fastpt.errors import one_line
+from fastpt.machinery.errors import ModelError, one_line
+
 
 NUM_LABELS = 2
 ARTICLE_MODEL = "distilbert-base-uncased"
@@ -40,10 +41,6 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
 HUB_TIMEOUT_S = 2.0
 OFFLINE_ADVICE = ("use --random-init (the architecture, random weights), --model minilm (pretrained, ships "
                   "offline) or --model /local/folder")
-
-
-class ModelError(RuntimeError):
-    """The model or tokenizer cannot be loaded. The message says what to do."""
 
 
 def distilbert_base_uncased_config() -> DistilBertConfig:

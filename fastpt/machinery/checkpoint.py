@@ -17,22 +17,16 @@ import errno
 import io
 import os
 import pickle
+import random
 import re
 import secrets
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from fastpt.errors import one_line
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read or does not fit this run."""
-
-
-class DiskFull(CheckpointError):
-    """A run file could not be written for lack of space; the previous file, if any, is intact."""
+from fastpt.machinery.errors import CheckpointError, DiskFull, one_line
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -165,3 +159,29 @@ def load_model_weights(path: Path) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds no model state")
     return state
+
+
+def rng_state() -> dict:
+    """Every random generator training draws from (dropout masks, workers' seeds), as checkpoint-safe data:
+    last.pt keeps one per rank, so a resumed run draws exactly what the uninterrupted one would have."""
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Put back what `rng_state` saved."""
+    random.setstate(_as_tuple(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

@@ -1,9 +1,7 @@
-"""Tokenised IMDB splits, cached on disk, and the DataLoaders that feed the training loop.
+"""Batches and the DataLoaders that feed the training loop (the splits come tokenised from token_cache.py).
 
-Tokenising 50,000 reviews takes about half a minute; it is done once per (data content,
-tokenizer), at 512 tokens, and cached with the `datasets` library (Arrow files, memory-mapped
-on load), so a second run starts in about a second; a shorter --max-length cuts the cached
-sequences on load. Tokenisation never happens inside the training loop.
+Tokenisation never happens inside the training loop: the token cache holds every review's ids,
+and a batch is only gathered and padded (`Collator`) or laid end to end (`packing.PackedCollator`).
 
 Fast loading, as the second article recommends (it replaces Lightning's DataLoader defaults):
 - `num_workers` worker processes build batches in parallel with the model's step;
@@ -20,27 +18,15 @@ weight 0, so sums over ranks count each example exactly once.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import math
 import os
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from fastpt import imdb
-from fastpt.bucketing import group_by_length
-
-CACHE_VERSION = 2
-CACHE_MAX_LENGTH = 512  # the longest --max-length: one cache serves every shorter one
-FINGERPRINT_BYTES = 4 << 20
-SPLITS = ("train", "validation", "test")
+from fastpt.speedups.bucketing import group_by_length
 
 
 class TokenizedSplit(Dataset):
@@ -99,7 +85,7 @@ class Collator:
 def make_collator(cfg, pad_id: int):
     """Padded batches (Collator), or padding-free packed ones with --pack (packing.PackedCollator)."""
     if cfg.pack:
-        from fastpt.packing import PackedCollator
+        from fastpt.speedups.packing import PackedCollator
         return PackedCollator(pad_id, cfg.pack_multiple, cfg.max_length)
     return Collator(pad_id, cfg.pad_to, cfg.max_length)
 
@@ -243,200 +229,6 @@ class EvalBatchSampler(Sampler):
 
 
 # --------------------------------------------------------------------------- cache
-
-def _source_fingerprint(source: Path) -> str:
-    """Identity of the data by content, not path: the same tarball or folder anywhere shares one cache.
-
-    A tarball: its size and the SHA-256 of its first 4 MiB (gzip headers and the first thousands
-    of reviews; a different or truncated file differs there or in size). A folder: every review's
-    name and size.
-    """
-    h = hashlib.sha256()
-    if source.is_file():
-        h.update(f"file:{source.stat().st_size}:".encode())
-        with open(source, "rb") as f:
-            h.update(f.read(FINGERPRINT_BYTES))
-    else:
-        for folder in imdb.FOLDERS:
-            d = source / folder
-            for name in sorted(os.listdir(d)) if d.is_dir() else []:
-                h.update(f"{folder}/{name}:{(d / name).stat().st_size}\n".encode())
-    return h.hexdigest()
-
-
-def _tokenizer_fingerprint(tokenizer) -> str:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
-    lower = getattr(tokenizer, "do_lower_case", "")
-    return hashlib.sha256(f"{type(tokenizer).__name__}:{lower}:{vocab}".encode()).hexdigest()
-
-
-def cache_key(source: Path, tokenizer) -> str:
-    """One cache per (data, tokenizer): built at CACHE_MAX_LENGTH, cut to any shorter --max-length on load."""
-    parts = {
-        "version": CACHE_VERSION,
-        "source": _source_fingerprint(source),
-        "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "max_length": CACHE_MAX_LENGTH,
-        "split": imdb.SPLIT_FRACTIONS,
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("FASTPT_CACHE_DIR") or Path.home() / ".cache" / "fastpt")
-
-
-def cache_root(cache_dir: Optional[str]) -> Path:
-    """--cache-dir, else the default: where the token cache (and the Inductor cache) live."""
-    return Path(cache_dir) if cache_dir else default_cache_dir()
-
-
-def cache_setting(cache_dir: Optional[str]) -> str:
-    """The setting an error about the cache folder names: FASTPT_CACHE_DIR where the folder is its value
-    (the run's config holds the resolved folder either way), else --cache-dir."""
-    env = os.environ.get("FASTPT_CACHE_DIR")
-    if env and (not cache_dir or Path(cache_dir).resolve() == Path(env).resolve()):
-        return "FASTPT_CACHE_DIR"
-    return "--cache-dir"
-
-
-def build_cache(source: Path, tokenizer, target: Path) -> None:
-    """Read, split and tokenise all reviews at CACHE_MAX_LENGTH; publish the splits under target atomically.
-
-    The splits are written to a temporary folder and renamed into place, so a reader never sees
-    a half-written cache. If another process published the same cache first (same key, same
-    content), its copy is kept and this one dropped.
-    """
-    import datasets
-
-    reviews = imdb.read_reviews(source)
-    texts = [t.replace("<br />", " ") for t in reviews.texts]
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
-        splits = {}
-        for name, idx in imdb.split_indices(len(texts)).items():
-            table = datasets.Dataset.from_dict({
-                "key": [reviews.keys[i] for i in idx],
-                "text": [texts[i] for i in idx],
-                "label": reviews.labels[idx].tolist(),
-            })
-            splits[name] = table.map(
-                lambda batch: tokenizer(batch["text"], truncation=True, max_length=CACHE_MAX_LENGTH),
-                batched=True, batch_size=1000, remove_columns=["text"], desc=f"tokenising {name}",
-                load_from_cache_file=False, keep_in_memory=True,
-            ).select_columns(["key", "input_ids", "label"])
-        datasets.DatasetDict(splits).save_to_disk(str(tmp))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):  # not another build's finished copy: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _is_complete(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file()
-
-
-def load_cache(path: Path, max_length: int, keep_last: bool = True) -> dict[str, TokenizedSplit]:
-    """The cached splits, each sequence cut to max_length tokens.
-
-    With keep_last (tokenizers that end a sequence with a special token, BERT's [SEP]) a cut
-    sequence keeps its first max_length - 1 tokens and then its last: exactly what tokenising
-    with truncation at max_length gives.
-    """
-    import datasets
-
-    loaded = datasets.load_from_disk(str(path))
-    out = {}
-    for name in SPLITS:
-        column = loaded[name].data.column("input_ids").combine_chunks()
-        ids = column.values.to_numpy().astype(np.int32)
-        offsets = column.offsets.to_numpy().astype(np.int64)
-        labels = np.asarray(loaded[name]["label"], dtype=np.int64)
-        ids, offsets = truncate(ids, offsets - offsets[0], max_length, keep_last)
-        out[name] = TokenizedSplit(ids, offsets, labels)
-    return out
-
-
-def truncate(ids: np.ndarray, offsets: np.ndarray, max_length: int, keep_last: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Flat token ids + offsets with every sequence cut to max_length (see load_cache)."""
-    lengths = np.diff(offsets)
-    if lengths.size == 0 or lengths.max() <= max_length:
-        return ids, offsets
-    kept = np.minimum(lengths, max_length)
-    new_offsets = np.concatenate([[0], np.cumsum(kept)])
-    # Position in the old array of every kept token: its sequence's old start + its place in it.
-    source = np.arange(new_offsets[-1]) - np.repeat(new_offsets[:-1] - offsets[:-1], kept)
-    if keep_last:
-        cut = lengths > max_length
-        source[new_offsets[1:][cut] - 1] = offsets[1:][cut] - 1
-    return ids[source], new_offsets
-
-
-def ends_with_special_token(tokenizer) -> bool:
-    """Whether the tokenizer closes every sequence with a special token ([SEP], </s>)."""
-    ids = tokenizer("a")["input_ids"]
-    return bool(ids) and ids[-1] in set(tokenizer.all_special_ids)
-
-
-def split_keys(path: Path) -> dict[str, list[str]]:
-    """The review names in each cached split, in order (for fingerprint checks)."""
-    import datasets
-
-    loaded = datasets.load_from_disk(str(path))
-    return {name: loaded[name]["key"] for name in SPLITS}
-
-
-def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer, max_length: int,
-                   builds: bool = True, gather=lambda obj: [obj],
-                   builder: int = 0) -> tuple[dict[str, TokenizedSplit], Path]:
-    """Tokenised train/validation/test splits, cut to max_length.
-
-    The processes that `builds` (under torchrun each node's LOCAL_RANK 0) find the data and build
-    the cache, or find it built, in their own --cache-dir: nodes need not share a disk. `gather`
-    (an all-gather over ranks) then hands every rank the outcomes: each reads the cache of its
-    node's builder (global rank `builder`), and an error anywhere, or nodes whose data differ,
-    stops every rank with the same one-line message instead of leaving them waiting on one that
-    has stopped. Separate runs building the same cache at once (also nodes sharing --cache-dir)
-    take turns on a lock file: one tokenises, the others wait for it and then read its finished cache.
-    """
-    outcome = None
-    if builds:
-        try:
-            source = imdb.find_source(data_dir)
-            root = cache_root(cache_dir)
-            path = root / f"imdb-{cache_key(source, tokenizer)}"
-            if not _is_complete(path):
-                _build_once(source, tokenizer, path)
-            outcome = ("ok", str(path))
-        except imdb.DataError as e:
-            outcome = ("error", str(e))
-    outcomes = gather(outcome)
-    errors = [value for status, value in filter(None, outcomes) if status == "error"]
-    if errors:
-        raise imdb.DataError(errors[0])
-    keys = {Path(value).name for status, value in filter(None, outcomes)}  # the key: data + tokenizer
-    if len(keys) > 1:
-        raise imdb.DataError(f"the nodes found different data ({', '.join(sorted(keys))}); "
-                             f"give every node the same --data-dir contents")
-    path = Path(outcomes[builder][1])
-    return load_cache(path, max_length, ends_with_special_token(tokenizer)), path
-
-
-def _build_once(source: Path, tokenizer, path: Path) -> None:
-    """build_cache under an exclusive lock on <path>.lock: concurrent runs build it once."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_name(path.name + ".lock"), "a")
-    except OSError as e:
-        raise imdb.DataError(f"cannot write the token cache in {path.parent}: {e.strerror or e} "
-                             f"(choose another {cache_setting(str(path.parent))})") from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, also if the process dies
-        if not _is_complete(path):  # another run may have built it while this one waited
-            build_cache(source, tokenizer, path)
 
 
 # --------------------------------------------------------------------------- loaders

@@ -17,7 +17,10 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-# Tags the trainer logs: train/loss per log step, epoch/<metric> per epoch.
+from fastpt.loop.config import NEEDS
+
+
+# Tags the run logs: train/loss per log step, epoch/<metric> per epoch.
 CUSTOM_SCALARS = {
     "training vs validation": {
         "loss": ["Multiline", ["train/loss", "epoch/train_loss", "epoch/val_loss"]],
@@ -25,21 +28,10 @@ CUSTOM_SCALARS = {
     },
 }
 
-# Settings that mean something only beside another: (setting, the switch it needs).
-_ONLY_WITH = {
-    "amp_dtype": lambda c: c.get("amp"),
-    "compile_mode": lambda c: c.get("compile"),
-    "bucket_multiplier": lambda c: c.get("bucket"),
-    "zero_stage": lambda c: c.get("strategy") == "deepspeed",
-    "deepspeed_config": lambda c: c.get("strategy") == "deepspeed",
-    "fsdp_reshard_after_forward": lambda c: c.get("strategy") == "fsdp",
-    "min_delta": lambda c: c.get("early_stopping_patience") is not None,
-}
-
 
 def applicable_hparams(config: dict) -> dict:
     """The config without settings its switches leave unused, and without unset (None) values."""
-    return {k: v for k, v in config.items() if v is not None and (k not in _ONLY_WITH or _ONLY_WITH[k](config))}
+    return {k: v for k, v in config.items() if v is not None and (k not in NEEDS or NEEDS[k][1](config))}
 
 
 class Tracker:
@@ -49,6 +41,7 @@ class Tracker:
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             # purge_step drops events a crashed run wrote after its last checkpoint, so a
             # resumed run continues the same curves without duplicate steps.
             if purge_step is not None:
@@ -115,7 +108,7 @@ def _after_existing_event_files(folder: Path) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    from fastpt.checkpoint import write_atomic
+    from fastpt.machinery.checkpoint import write_atomic
 
     text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
     write_atomic(path, lambda f: f.write(text.encode()))

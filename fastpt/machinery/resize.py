@@ -33,7 +33,7 @@ import random
 import numpy as np
 import torch
 
-from fastpt.checkpoint import CheckpointError
+from fastpt.machinery.checkpoint import CheckpointError
 
 
 def resizable(cfg) -> bool:
@@ -107,7 +107,7 @@ def remap_per_rank(per_rank: list[dict], world_size: int, seed: int, step: int) 
 
 
 def derived_rng_state(seed: int, rank: int, step: int) -> dict:
-    """An RNG state (trainer.rng_state's layout) for a rank that did not exist: fixed by (seed, rank, step)."""
+    """An RNG state (checkpoint.rng_state's layout) for a rank that did not exist: fixed by (seed, rank, step)."""
     value = (seed * 1_000_003 + rank * 10_007 + step) % 2**32
     np_state = np.random.RandomState(value).get_state()
     return {

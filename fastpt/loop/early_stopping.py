@@ -4,7 +4,8 @@
 min_delta)`: after each validation check, a value improves on the best so far if it beats it
 by more than `min_delta` (`current - min_delta > best` for mode max, `current + min_delta <
 best` for min); otherwise a counter grows, and training stops once it reaches `patience`.
-A NaN or infinite monitored value stops at once (Lightning's `check_finite=True`).
+A NaN or infinite monitored value stops at once (Lightning's `check_finite=True`). With
+`patience=None` (no --early-stopping-patience) it never stops, so the loop needs no special case.
 
 `BestTracker` replaces `ModelCheckpoint(monitor, mode, save_top_k=1)`: it keeps one
 checkpoint and replaces it only on a strict improvement, so a tie keeps the earlier epoch.
@@ -27,7 +28,7 @@ def _better(current: float, best: float, mode: str, min_delta: float = 0.0) -> b
 @dataclass
 class EarlyStopping:
     mode: str = "max"
-    patience: int = 3
+    patience: Optional[int] = 3  # None: never stop
     min_delta: float = 0.0
     best: float = -math.inf
     wait_count: int = 0
@@ -40,6 +41,8 @@ class EarlyStopping:
 
     def update(self, current: float) -> bool:
         """Record one validation check; True when training should stop."""
+        if self.patience is None:
+            return False
         if not math.isfinite(current):
             self.stopped, self.reason = True, f"monitored value is {current}"
         elif _better(current, self.best, self.mode, self.min_delta):

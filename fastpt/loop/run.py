@@ -1,14 +1,18 @@
-"""The run: what Lightning's `Trainer.fit` + `Trainer.test` do, written out.
+"""The run's set-up: what train.py's loop works with, built in one documented order.
 
-    build: tokenizer, model, data loaders, strategy (device, compile, DDP/FSDP/DeepSpeed, optimizer)
-    for epoch:                                   # resumable from any optimiser step
-        step.train_epoch(...)                    # the textbook loop around step.train_step
-        validate (no_grad, all ranks) -> best.pt on strict improvement -> early stopping
-    test on best.pt (or the last weights) -> results.json
+    load_inputs(cfg, dist) -> Inputs        tokenizer, model (initial weights), tokenised splits
+    Run(cfg, dist, inputs, out_dir, resume_state):
+        backends                            TF32, deterministic kernels, the compile cache (backends.py)
+        loaders                             global batches, each rank its share (data.py)
+        strategy.setup(model)               to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer
+        forward_loss, eval_sums             step.py / evaluation.py, compiled where the strategy does
+        tracker, meter, bookkeeping         console, TensorBoard, throughput, counters (machinery/)
+        early stopping, best tracker        Lightning's semantics (early_stopping.py)
+        last.pt                             after a resume: weights, optimiser, scaler, RNG, counters
 
-The computation lives in `step.py` (read it first); what happens around it in
-`bookkeeping.py`; which strategy runs (single device, DDP, FSDP, DeepSpeed) is hidden behind
-`Strategy`; which speed-ups are on is decided by the config alone.
+`Run` builds; it does not decide the order of a run. train.py does: for each epoch
+`start_epoch`, `step.train_epoch`, `evaluate`, `save_best`, `end_epoch`; then `load_best`,
+`evaluate("test")`, `report`. What Lightning's `Trainer.fit` + `Trainer.test` do, written out.
 """
 
 from __future__ import annotations
@@ -16,21 +20,26 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fastpt import backends, checkpoint, data, distributed, metrics
-from fastpt.bookkeeping import Bookkeeping, NonFiniteLoss
-from fastpt.config import TrainConfig
-from fastpt.early_stopping import BestTracker, EarlyStopping
-from fastpt.evaluation import evaluate, make_eval_sums
-from fastpt.models import check_max_length, count_parameters, load_model, load_tokenizer
-from fastpt.signals import GracefulStop
-from fastpt.step import make_forward_loss, train_epoch
+from fastpt.inputs import data
+from fastpt.inputs.models import check_max_length, count_parameters, load_model, load_tokenizer
+from fastpt.inputs.token_cache import cache_root, prepare_splits
+from fastpt.loop.config import TrainConfig
+from fastpt.loop.early_stopping import BestTracker, EarlyStopping
+from fastpt.loop.evaluation import evaluate, make_eval_sums
+from fastpt.loop.step import make_forward_loss
+from fastpt.machinery import checkpoint, distributed, metrics
+from fastpt.machinery.bookkeeping import Bookkeeping, NonFiniteLoss
+from fastpt.machinery.signals import GracefulStop
+from fastpt.machinery.tracking import NullTracker, Tracker
+from fastpt.speedups import backends
 from fastpt.strategies import build_strategy
-from fastpt.tracking import NullTracker, Tracker
+
 
 WARMUP_STEPS = 3  # left out of throughput: allocator warm-up, compilation, autotuning
 
@@ -41,80 +50,119 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+@dataclass
+class Inputs:
+    """What a run reads before it writes anything: bad input fails here, with the run folder untouched."""
+    tokenizer: object
+    model: torch.nn.Module  # initial weights, on the CPU; the strategy takes it over
+    splits: dict  # "train", "validation", "test" -> data.TokenizedSplit, cut to --train-size etc.
+    cache_path: Path  # the token cache they came from
+
+    def train_examples_used(self, cfg: TrainConfig, world_size: int) -> int:
+        """Reviews one epoch trains on, over all processes: its whole global batches (TrainBatchSampler
+        drops the last, short one)."""
+        global_batch = cfg.batch_size * world_size
+        return len(self.splits["train"]) // global_batch * global_batch
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
+    """Tokenizer, model and data: everything bad input can break."""
+    seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
+    tokenizer = load_tokenizer(cfg.model)
+    check_max_length(tokenizer, cfg.max_length)
+    model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation)
+    # Each node's first process builds or reads the cache in its own --cache-dir (nodes need not share a disk).
+    splits, cache_path = prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length,
+                                        builds=dist.local_rank == 0, gather=distributed.all_gather_object,
+                                        builder=distributed.node_first_rank(dist))
+    sizes = {"train": cfg.train_size, "validation": cfg.val_size, "test": cfg.test_size}
+    inputs = Inputs(tokenizer, model, {name: splits[name].head(n) for name, n in sizes.items()}, cache_path)
+    if inputs.train_examples_used(cfg, dist.world_size) == 0:
+        raise ValueError(f"{len(inputs.splits['train'])} training examples over {dist.world_size} process(es) "
+                         f"make no full batch of {cfg.batch_size}")
+    return inputs
 
 
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+class Run:
+    """Everything the loop in train.py calls, built in the order above; `with Run(...)` closes it."""
 
-
-class Trainer:
-    def __init__(self, cfg: TrainConfig, dist: distributed.DistInfo, out_dir: Path, resume_state: dict | None = None):
-        self.cfg, self.dist, self.out_dir = cfg, dist, out_dir
+    def __init__(self, cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, out_dir: Path,
+                 resume_state: dict | None = None):
+        self.cfg, self.dist, self.out_dir, self.inputs = cfg, dist, out_dir, inputs
         self.device = dist.device
         self.ckpt_dir = out_dir / "checkpoints"
         self.resume_state = resume_state
+        self.splits = inputs.splits
         self.epoch_offset = resume_state["progress"].get("epoch_offset", 0) if resume_state else 0
         self.history: list[dict] = []
         self.val_time_s = 0.0
         self.val_compile_s = 0.0  # the part of val_time_s spent compiling evaluation graphs
-        self.early_stopping = (EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta)
-                               if cfg.early_stopping_patience else None)
+        self.early_stopping = EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta)
         self.best = BestTracker(cfg.monitor_mode)
         self.stopper = GracefulStop()
 
-    # ------------------------------------------------------------------ building
-    def load_inputs(self) -> None:
-        """Tokenizer, model and data: everything bad input can break, read before the run folder
-        is touched (run.py calls this first, so a bad --model or --data-dir writes nothing)."""
-        cfg, dist = self.cfg, self.dist
-        backends.configure(cfg, self.device, data.cache_root(cfg.cache_dir))
-        seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
-        tokenizer = load_tokenizer(cfg.model)
-        check_max_length(tokenizer, cfg.max_length)
-        self.initial_model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation)
-        # Each node's first process builds or reads the cache in its own --cache-dir (nodes need not share a disk).
-        splits, self.cache_path = data.prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length,
-                                                      builds=dist.local_rank == 0, gather=distributed.all_gather_object,
-                                                      builder=distributed.node_first_rank(dist))
-        self.splits = {
-            "train": splits["train"].head(cfg.train_size),
-            "validation": splits["validation"].head(cfg.val_size),
-            "test": splits["test"].head(cfg.test_size),
-        }
-        self._build_loaders(tokenizer.pad_token_id or 0)
+        backends.configure(cfg, self.device, cache_root(cfg.cache_dir))
+        self._build_loaders(inputs.tokenizer.pad_token_id or 0)
+        model, inputs.model = inputs.model, None  # the strategy holds it from here on
+        resume_step = resume_state["progress"]["global_step"] if resume_state else None
+        # purge_step: drop what a killed run logged after its checkpoint (logged up to and including it).
+        self.tracker = (Tracker(out_dir, cfg.progress, cfg.tensorboard,
+                                purge_step=None if resume_step is None else resume_step + 1)
+                        if dist.is_main else NullTracker())
+        self.tracker.print(f"data: {inputs.cache_path} | train {len(self.splits['train'])}, "
+                           f"validation {len(self.splits['validation'])}, test {len(self.splits['test'])}")
+        n_params, n_matmul = count_parameters(model)
+        layers, hidden = metrics.model_shape(model)
+        if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
+            from fastpt.speedups.packing import PackedClassifier, packed_attention_kernel
+            model = PackedClassifier(model, packed_attention_kernel(self.device.type, cfg.compile, cfg.amp))
+        self.strategy = build_strategy(cfg, dist)
+        self.strategy.setup(model)
+        self.forward_loss = make_forward_loss(self.strategy, cfg.max_length)
+        self.eval_sums = make_eval_sums(self.strategy, cfg.max_length)
+        torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
+        peak = metrics.device_peak_flops(self.device, cfg.amp, cfg.tf32)
+        meter = metrics.Throughput(self.device, WARMUP_STEPS,
+                                   lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak)
+        if resume_state:
+            self._restore(resume_state)
+        self.book = Bookkeeping(cfg, dist, out_dir, self.tracker, meter, self.stopper, self.save_last,
+                                self.strategy.skips_nonfinite_steps,
+                                lr=lambda: self.strategy.optimizer.param_groups[0]["lr"], resume=resume_state,
+                                step_was_skipped=self.strategy.step_was_skipped)
+        if resume_state:
+            self.tracker.print(f"resumed from step {self.book.global_step} "
+                               f"(epoch {self.book.epoch + 1}, batch {self.book.batch_in_epoch})")
+        self.tracker.print(f"model: {cfg.model} ({n_params / 1e6:.1f}M parameters) | strategy: {self.strategy.name} "
+                           f"x{dist.world_size} on {self.device} | amp: {cfg.amp_dtype if cfg.amp else 'off'} | "
+                           f"compile: {cfg.compile} | {'pack' if cfg.pack else f'pad to {cfg.pad_to}'}"
+                           f"{' (bucket)' if cfg.bucket else ''}")
+        self.tracker.text("config", cfg.to_json())
+        metrics.reset_peak_memory(self.device)  # the reported peak is training's, not model loading's
+        self.stopper.install()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        backends.restore(self.cfg)
+        self.stopper.uninstall()
+        self.strategy.close()
+        self.tracker.close()
 
     def _build_loaders(self, pad_id: int) -> None:
+        """The training sampler and loader, and one evaluation loader per split (data.py)."""
         cfg, dist = self.cfg, self.dist
         workers, pin = data.loader_settings(cfg, self.device.type == "cuda", dist.local_world_size)
         collate = data.make_collator(cfg, pad_id)
         self.train_sampler = data.TrainBatchSampler(self.splits["train"], cfg.batch_size, dist.rank, dist.world_size,
                                                     cfg.seed, cfg.bucket, cfg.bucket_multiplier,
                                                     balance_tokens=cfg.pack)
-        if len(self.train_sampler) == 0:
-            raise ValueError(f"{len(self.splits['train'])} training examples over {dist.world_size} process(es) "
-                             f"make no full batch of {cfg.batch_size}")
         eval_samplers = {name: data.EvalBatchSampler(self.splits[name], cfg.eval_batch_size, dist.rank,
                                                      dist.world_size, sort_by_length=cfg.varying_lengths)
                          for name in ("validation", "test")}
         if cfg.data_on_device:
-            from fastpt.device_data import DeviceLoader
+            from fastpt.speedups.device_data import DeviceLoader
             self.train_loader = DeviceLoader(self.splits["train"], self.train_sampler, collate, self.device)
             self.eval_loaders = {name: DeviceLoader(self.splits[name], sampler, collate, self.device)
                                  for name, sampler in eval_samplers.items()}
@@ -126,77 +174,16 @@ class Trainer:
         self.num_workers, self.pin_memory = workers, pin
 
     def train_examples_used(self) -> int:
-        """Reviews one epoch trains on, over all processes: its whole global batches (TrainBatchSampler
-        drops the last, short one)."""
-        global_batch = self.cfg.batch_size * self.dist.world_size
-        return len(self.splits["train"]) // global_batch * global_batch
+        return self.inputs.train_examples_used(self.cfg, self.dist.world_size)
 
-    def build(self) -> None:
-        cfg, dist = self.cfg, self.dist
-        if not hasattr(self, "splits"):
-            self.load_inputs()
-        model, self.initial_model = self.initial_model, None  # the strategy holds it from here on
-        resume_step = self.resume_state["progress"]["global_step"] if self.resume_state else None
-        # purge_step: drop what a killed run logged after its checkpoint (logged up to and including it).
-        self.tracker = (Tracker(self.out_dir, cfg.progress, cfg.tensorboard,
-                                purge_step=None if resume_step is None else resume_step + 1)
-                        if dist.is_main else NullTracker())
-        self.tracker.print(f"data: {self.cache_path} | train {len(self.splits['train'])}, "
-                           f"validation {len(self.splits['validation'])}, test {len(self.splits['test'])}")
-        n_params, n_matmul = count_parameters(model)
-        layers, hidden = metrics.model_shape(model)
-        if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
-            from fastpt.packing import PackedClassifier, packed_attention_kernel
-            model = PackedClassifier(model, packed_attention_kernel(self.device.type, cfg.compile, cfg.amp))
-        self.strategy = build_strategy(cfg, dist)
-        self.strategy.setup(model)
-        self.forward_loss = make_forward_loss(self.strategy, cfg.max_length)
-        self.eval_sums = make_eval_sums(self.strategy, cfg.max_length)
-        torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
-        peak = metrics.device_peak_flops(self.device, cfg.amp, cfg.tf32)
-        meter = metrics.Throughput(self.device, WARMUP_STEPS,
-                                   lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak)
-        if self.resume_state:
-            self._restore(self.resume_state)
-        self.book = Bookkeeping(cfg, dist, self.out_dir, self.tracker, meter, self.stopper, self.save_last,
-                                self.strategy.skips_nonfinite_steps,
-                                lr=lambda: self.strategy.optimizer.param_groups[0]["lr"], resume=self.resume_state,
-                                step_was_skipped=self.strategy.step_was_skipped)
-        if self.resume_state:
-            self.tracker.print(f"resumed from step {self.book.global_step} "
-                               f"(epoch {self.book.epoch + 1}, batch {self.book.batch_in_epoch})")
-        self.tracker.print(f"model: {cfg.model} ({n_params / 1e6:.1f}M parameters) | strategy: {self.strategy.name} "
-                           f"x{dist.world_size} on {self.device} | amp: {cfg.amp_dtype if cfg.amp else 'off'} | "
-                           f"compile: {cfg.compile} | {'pack' if cfg.pack else f'pad to {cfg.pad_to}'}"
-                           f"{' (bucket)' if cfg.bucket else ''}")
-        self.tracker.text("config", cfg.to_json())
-        metrics.reset_peak_memory(self.device)  # the reported peak is training's, not model loading's
+    # ------------------------------------------------------------------ the epoch
+    def start_epoch(self) -> None:
+        """The epoch's shuffle (after a resume: what is left of it), its clock, sums and progress bar."""
+        self.train_sampler.set_epoch(self.book.epoch, self.book.batch_in_epoch, self.epoch_offset)
+        self.book.start_epoch(len(self.train_loader))
 
-    # ------------------------------------------------------------------ training
-    def fit(self) -> dict:
-        cfg = self.cfg
-        self.build()
-        self.stopper.install()
-        try:
-            book = self.book
-            stopped_early = self.early_stopping is not None and self.early_stopping.stopped
-            while book.epoch < cfg.epochs and not stopped_early and not book.max_steps_reached():
-                book.start_epoch_clock()
-                self.train_sampler.set_epoch(book.epoch, book.batch_in_epoch, self.epoch_offset)
-                train_metrics = train_epoch(self.strategy, self.train_loader, book, self.forward_loss)
-                self.epoch_offset = 0  # only a resumed epoch starts off a global-batch boundary (resize.py)
-                val = self._evaluate("validation")
-                book.stop_epoch_clock()
-                stopped_early = self._end_of_epoch(train_metrics, val)
-            results = self._test_and_report(stopped_early)
-        finally:
-            backends.restore(cfg)
-            self.stopper.uninstall()
-            self.strategy.close()
-            self.tracker.close()
-        return results
-
-    def _evaluate(self, split: str) -> dict:
+    def evaluate(self, split: str) -> dict:
+        """{'loss', 'acc', 'n'} of the validation or test split: no gradients, every rank its share."""
         loader = self.eval_loaders[split]
         bar = self.tracker.bar(len(loader), f"{split}")
         start, compiled_before = time.perf_counter(), self.book.compile_clock.seconds
@@ -210,30 +197,30 @@ class Trainer:
         bar.close()
         return out
 
-    def _end_of_epoch(self, train_metrics: dict, val: dict) -> bool:
+    def check_finite(self, val: dict) -> None:
+        """A NaN validation loss: the run diverged. Stop, with no best.pt, early-stopping verdict or last.pt from it."""
+        if not math.isfinite(val["loss"]):
+            raise NonFiniteLoss(f"validation loss is {val['loss']} after epoch {self.book.epoch + 1} "
+                                f"(step {self.book.global_step}): the model diverged (no best.pt is saved from it; "
+                                f"try a lower --lr or --max-grad-norm)")
+
+    def end_epoch(self, train_metrics: dict, val: dict, improved: bool) -> None:
+        """The epoch's line, TensorBoard and history; the epoch clock stops; last.pt with --save-every."""
         cfg, book = self.cfg, self.book
+        book.stop_epoch_clock()
         row = {"epoch": book.epoch + 1, "step": book.global_step, **train_metrics,
                "val_loss": val["loss"], "val_acc": val["acc"], "train_time_s": book.train_time_s}
-        if not math.isfinite(val["loss"]):  # diverged: no best.pt, no early-stopping verdict, no last.pt from it
-            raise NonFiniteLoss(f"validation loss is {val['loss']} after epoch {book.epoch + 1} "
-                                f"(step {book.global_step}): the model diverged (no best.pt is saved from it; "
-                                f"try a lower --lr or --max-grad-norm)")
-        monitored = row[cfg.monitor]
-        improved = self.best.update(monitored, book.epoch + 1)
-        if improved:
-            self.save_best(monitored)
-        stop = self.early_stopping.update(monitored) if self.early_stopping else False
         self.history.append(row)
         self.tracker.scalars({k: v for k, v in row.items() if k not in ("epoch", "step")}, book.global_step, "epoch/")
         self.tracker.print(f"epoch {book.epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
                            f"val loss {val['loss']:.4f} acc {val['acc']:.4f}{' (best)' if improved else ''} | "
                            f"{book.train_time_s:.1f} s")
-        if stop:
+        if self.early_stopping.stopped:
             self.tracker.print(f"early stopping: {self.early_stopping.reason}")
         book.next_epoch()
+        self.epoch_offset = 0  # only a resumed epoch starts off a global-batch boundary (resize.py)
         if cfg.save_every is not None:
             self.save_last()
-        return stop
 
     # ------------------------------------------------------------------ checkpoints
     def save_best(self, value: float) -> None:
@@ -250,7 +237,7 @@ class Trainer:
         run logs, averages and draws exactly what the uninterrupted run would have.
         """
         training = self.strategy.training_state(self.ckpt_dir)
-        mine = checkpoint.to_bytes({"rng": rng_state(), **self.book.rank_state()})
+        mine = checkpoint.to_bytes({"rng": checkpoint.rng_state(), **self.book.rank_state()})
         per_rank = [checkpoint.from_bytes(b) for b in distributed.all_gather_object(mine)]
         if not self.dist.is_main:
             return
@@ -261,7 +248,7 @@ class Trainer:
             "progress": {**self.book.progress(), "val_time_s": self.val_time_s, "val_compile_s": self.val_compile_s,
                          "examples_in_epoch": self.examples_in_epoch()},
             "batch_size_flag": (self.resume_state or {}).get("batch_size_flag", self.cfg.batch_size),  # resize.py
-            "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
+            "early_stopping": self.early_stopping.state_dict(),
             "best": self.best.state_dict(),
             "history": self.history,
             "per_rank": per_rank,
@@ -278,29 +265,35 @@ class Trainer:
 
         The bookkeeping reads its own part (counters, sums) when it is built."""
         self.strategy.load_training_state(state["training"], self.ckpt_dir)
-        if self.early_stopping and state["early_stopping"]:
+        if state["early_stopping"]:
             self.early_stopping.load_state_dict(state["early_stopping"])
         self.best.load_state_dict(state["best"])
         self.history = list(state["history"])
         self.val_time_s = state["progress"].get("val_time_s", 0.0)
         self.val_compile_s = state["progress"].get("val_compile_s", 0.0)
-        set_rng_state(state["per_rank"][self.dist.rank]["rng"])
+        checkpoint.set_rng_state(state["per_rank"][self.dist.rank]["rng"])
 
-    # ------------------------------------------------------------------ test and results
-    def _test_and_report(self, stopped_early: bool) -> dict:
-        cfg, book = self.cfg, self.book
-        tested_on = cfg.test_on
+    def load_best(self) -> None:
+        """The weights to test: best.pt's (--test-on best, where one was saved), else the last ones."""
+        self.tested_on = self.cfg.test_on
+        if self.cfg.test_on != "best":
+            return
         best_path = self.ckpt_dir / "best.pt"
-        if cfg.test_on == "best":
-            # Rank 0 wrote best.pt and reads it; the weights reach the other ranks over the group,
-            # so no rank needs to see rank 0's disk.
-            weights = checkpoint.load_model_weights(best_path) if self.dist.is_main and best_path.exists() else None
-            weights = distributed.broadcast_state(weights)
-            if weights is not None:
-                self.strategy.load_model_state_dict(weights)
-            else:
-                tested_on = "last (no best checkpoint)"
-        test = self._evaluate("test")
+        # Rank 0 wrote best.pt and reads it; the weights reach the other ranks over the group,
+        # so no rank needs to see rank 0's disk.
+        weights = checkpoint.load_model_weights(best_path) if self.dist.is_main and best_path.exists() else None
+        weights = distributed.broadcast_state(weights)
+        if weights is not None:
+            self.strategy.load_model_state_dict(weights)
+        else:
+            self.tested_on = "last (no best checkpoint)"
+
+    # ------------------------------------------------------------------ results
+    def report(self, test: dict) -> dict:
+        """results.json (and the console's last line, TensorBoard's test scalars and HPARAMS)."""
+        cfg, book = self.cfg, self.book
+        tested_on = self.tested_on
+        stopped_early = self.early_stopping.stopped
         compile_s = book.compile_clock.seconds
         results = {
             "test_acc": test["acc"], "test_loss": test["loss"], "test_examples": test["n"], "tested_on": tested_on,
@@ -310,7 +303,7 @@ class Trainer:
             "best_monitor": self.best.best, "monitor": cfg.monitor, "best_epoch": self.best.best_epoch,
             "epochs_run": len(self.history), "global_steps": book.global_step,
             "stopped_early": stopped_early,
-            "stop_reason": self.early_stopping.reason if stopped_early and self.early_stopping else "",
+            "stop_reason": self.early_stopping.reason if stopped_early else "",
             "train_time_s": book.train_time_s,  # training + validation, compilation included (the article's)
             "compile_time_s": compile_s if cfg.compile else None,
             "train_time_no_compile_s": book.train_time_s - compile_s,

@@ -29,6 +29,7 @@ import contextlib
 
 import torch
 
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

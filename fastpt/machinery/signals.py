@@ -17,12 +17,6 @@ import signal
 import torch
 import torch.distributed as dist
 
-EXIT_STOPPED = 3
-
-
-class StopRequested(Exception):
-    """Raised by the loop after it saved last.pt in answer to a signal."""
-
 
 class GracefulStop:
     def __init__(self):

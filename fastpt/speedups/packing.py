@@ -34,15 +34,15 @@ The attention kernels (`KERNELS`), all exact; `packed_attention_kernel` picks on
   `max_seqlen`: hence `--pack-multiple` <= `--max-length`.
 - "loop": plain SDPA on each review in turn. Reads `cu_seqlens` to the host (one sync per
   layer on a GPU, nothing on a CPU). The fastest CPU kernel by far, so the CPU's eager choice.
-- "jagged": SDPA on a nested jagged tensor. Also reads `cu_seqlens` to the host.
 - "mask": SDPA on the whole stream with a block-diagonal mask built on the device from
   `cu_seqlens`. O(T^2) work and memory, but no host read and no data-dependent shape, so it is
   what a CPU graph compiled with `fullgraph=True` uses.
-Measured on an idle 2-core AMD EPYC (`python -m fastpt.packing`): one attention call, forward +
-backward, fp32, 12 heads of 32, 12 reviews of IMDB-like lengths (mean 266, longest 501):
-loop 51 ms, jagged 1.4 s (torch has no fused CPU kernel for jagged inputs: it copies them to a
-strided nested tensor and runs the unfused math path), mask 0.49 s (3,198^2 scores per head),
-padded to 512 with a mask 0.18 s.
+Measured on an idle 2-core AMD EPYC (`python scripts/packing_kernels.py`): one attention call,
+forward + backward, fp32, 12 heads of 32, 12 reviews of IMDB-like lengths (mean 266, longest
+501): loop 51 ms, mask 0.49 s (3,198^2 scores per head), padded to 512 with a mask 0.18 s. SDPA
+on a nested jagged tensor (`torch.nested`, layout=torch.jagged), a fifth way, took 1.4 s: torch
+has no fused CPU kernel for jagged inputs (it copies them to a strided nested tensor and runs
+the unfused math path), and on CUDA varlen is the fused kernel, so fastpt does not use it.
 
 Lightning has no flag for this. In Hugging Face it is `DataCollatorWithFlattening` (padding-free
 training: one row, `position_ids` restarting per example) with a flash-attention implementation.
@@ -59,7 +59,7 @@ from torch import nn
 
 
 PACKED_ATTENTION = "fastpt_packed"
-KERNELS = ("varlen", "loop", "jagged", "mask")
+KERNELS = ("varlen", "loop", "mask")
 
 
 # --------------------------------------------------------------------------- the batch
@@ -118,7 +118,7 @@ def is_packed(batch) -> bool:
 
 def _segment_edges(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
     """Review boundaries on the host, plus the rounding tail as one more segment if there is one."""
-    edges = cu_seqlens.tolist()  # the host read of the "loop" and "jagged" kernels
+    edges = cu_seqlens.tolist()  # the host read of the "loop" kernel
     return edges + [num_tokens] if edges[-1] < num_tokens else edges
 
 
@@ -130,19 +130,6 @@ def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
     out = [F.scaled_dot_product_attention(q, k, v, scale=scaling)
            for q, k, v in zip(*(x.split(sizes, dim=2) for x in (query, key, value)))]
     return torch.cat(out, dim=2).transpose(1, 2)
-
-
-def _jagged_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
-    edges = _segment_edges(cu_seqlens, query.shape[2])
-    offsets = torch.tensor(edges, dtype=torch.int64, device=query.device)
-    longest = max(e - s for s, e in zip(edges[:-1], edges[1:]))
-
-    def nested(x):  # [1, H, T, d] -> [B, H, j, d] with a ragged j
-        tokens_first = x[0].transpose(0, 1).contiguous()  # a no-op for Hugging Face q, k, v
-        return torch.nested.nested_tensor_from_jagged(tokens_first, offsets, max_seqlen=longest).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(nested(query), nested(key), nested(value), scale=scaling)
-    return out.transpose(1, 2).values()[None]
 
 
 def _mask_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
@@ -191,8 +178,7 @@ def _varlen_options() -> frozenset:
 
 
 _VARLEN_OPTIONS = _varlen_options()
-_KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention,
-                     "jagged": _jagged_attention, "mask": _mask_attention}
+_KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention, "mask": _mask_attention}
 
 
 def packed_attention_kernel(device_type: str, compiled: bool, low_precision: bool = True) -> str:
@@ -288,45 +274,3 @@ def packed_logits(model: nn.Module, batch: dict, max_seqlen: int) -> torch.Tenso
     if not isinstance(unwrap(model), PackedClassifier):
         raise TypeError("packed_logits needs a PackedClassifier (or a compiled / DDP wrapper of one)")
     return model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], max_seqlen)
-
-
-# --------------------------------------------------------------------------- measuring the kernels
-
-def imdb_like_lengths(batch_size: int, max_length: int = 512, seed: int = 0) -> list[int]:
-    """Review lengths drawn like IMDB's in BERT tokens: mean ~270, a long tail cut at max_length."""
-    rng = np.random.default_rng(seed)
-    return np.clip(rng.lognormal(5.5, 0.55, size=batch_size), 16, max_length).astype(int).tolist()
-
-
-def benchmark_kernels(batch_size: int = 12, heads: int = 12, head_dim: int = 32, max_length: int = 512,
-                      repeats: int = 5, seed: int = 0) -> dict[str, float]:
-    """Median seconds of one attention call, forward + backward, per CPU kernel and padded SDPA."""
-    import time
-    lengths = imdb_like_lengths(batch_size, max_length, seed)
-    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-    total = int(cu_seqlens[-1])
-    g = torch.Generator().manual_seed(seed)
-    packed = [torch.randn(1, heads, total, head_dim, generator=g) for _ in range(3)]
-    padded = [torch.randn(batch_size, heads, max_length, head_dim, generator=g) for _ in range(3)]
-    pad_mask = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None])[:, None, None, :]
-    cases = {name: (lambda q, k, v, f=_KERNEL_FUNCTIONS[name]: f(q, k, v, cu_seqlens, max_length, None), packed)
-             for name in ("loop", "jagged", "mask")}
-    cases["padded-512"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask), padded)
-    timings = {}
-    for name, (attend, inputs) in cases.items():
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up
-            q, k, v = (x.detach().requires_grad_() for x in inputs)
-            start = time.perf_counter()
-            attend(q, k, v).sum().backward()
-            runs.append(time.perf_counter() - start)
-        timings[name] = float(np.median(runs[1:]))
-    return timings
-
-
-if __name__ == "__main__":
-    lengths = imdb_like_lengths(12)
-    print(f"12 reviews, lengths mean {np.mean(lengths):.0f}, max {max(lengths)}; "
-          f"attention forward + backward, 12 heads x 32, {torch.get_num_threads()} threads")
-    for name, seconds in benchmark_kernels().items():
-        print(f"  {name:>10}: {seconds * 1e3:8.1f} ms")

@@ -23,12 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-from fastpt import distributed, metrics
-from fastpt.signals import StopRequested
-
-
-class NonFiniteLoss(RuntimeError):
-    """Training diverged: the loss became NaN or infinite, or float16's scaler skipped step after step."""
+from fastpt.machinery import distributed, metrics
+from fastpt.machinery.errors import NonFiniteLoss, StopRequested
 
 
 # float16 AMP hides a diverged run: the GradScaler skips every step whose gradients hold inf/NaN
@@ -74,9 +70,11 @@ class Bookkeeping:
         return None if t is None else t.to(self.device)
 
     # ------------------------------------------------------------------ around the loop
-    def timed(self, loader):
-        """The loader's batches, each counted, timed (the wait for data) and recorded by the meter."""
-        self.n_batches = self.batch_in_epoch + len(loader)  # after a resume the loader yields the rest
+    def start_epoch(self, batches_left: int) -> None:
+        """Before the epoch's first batch (after a resume: the first one left): its clock, its metric
+        sums, its progress bar and the throughput meter."""
+        self.epoch_clock = time.perf_counter()
+        self.n_batches = self.batch_in_epoch + batches_left
         if self.epoch_sums is None:
             self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, seen
         if self.window_loss is None:
@@ -85,6 +83,9 @@ class Bookkeeping:
         self.bar = self.tracker.bar(self.n_batches, f"epoch {self.epoch + 1}/{self.cfg.epochs}",
                                     initial=self.batch_in_epoch)
         self.meter.start()
+
+    def timed(self, loader):
+        """The loader's batches, each counted and timed (the wait for data), recorded by the meter."""
         self.step_start = time.perf_counter()
         batches = iter(loader)
         while True:
@@ -157,9 +158,6 @@ class Bookkeeping:
         return self.cfg.max_steps is not None and self.global_step >= self.cfg.max_steps
 
     # ------------------------------------------------------------------ the epoch clock
-    def start_epoch_clock(self) -> None:
-        self.epoch_clock = time.perf_counter()
-
     def stop_epoch_clock(self) -> None:
         """Training and validation of the epoch, as the article times it."""
         self.train_time_s += time.perf_counter() - self.epoch_clock

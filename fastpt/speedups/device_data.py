@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastpt.data import Collator, TokenizedSplit
+from fastpt.inputs.data import Collator, TokenizedSplit
 
 
 class DeviceLoader:

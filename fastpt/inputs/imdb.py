@@ -29,6 +29,9 @@ from typing import Optional
 
 import numpy as np
 
+from fastpt.machinery.errors import DataError
+
+
 URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
 TARBALLS = ("aclImdb_v1.tar.gz", "aclImdb_v1_labelled.tar.gz")
 FOLDERS = ("test/pos", "test/neg", "train/pos", "train/neg")  # the article's concatenation order
@@ -38,10 +41,6 @@ FULL_SIZE = 50_000  # labelled reviews in IMDB v1: 25,000 in train/, 25,000 in t
 # ("train/pos/11122_10.txt", ...) in order, joined with "\n"; its first 16 hex digits.
 ARTICLE_SPLIT_SHA256 = {"train": "f1dc0bb04ab74e0d", "validation": "e8b9e7c62c0aeda4", "test": "a4937188a6b37789"}
 _MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/([^/]+\.txt)$")
-
-
-class DataError(RuntimeError):
-    """The dataset cannot be found, downloaded or read. The message says what to do."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+
 # Dense peak FLOP/s per GPU: (16-bit tensor cores, TF32 tensor cores, plain FP32).
 PEAK_FLOPS = {
     "A100": (312e12, 156e12, 19.5e12),

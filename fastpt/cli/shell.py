@@ -1,0 +1,283 @@
+"""The command line around the run: flags and checks, the process group, the run folder and its
+lock, one-line errors and exit statuses. Nothing here trains, and nothing here decides the run's
+order: train.py calls it, in this order,
+
+    shell = CommandLine(argv)
+    with shell.exit_status():                          # any failure inside: one line and its status
+        cfg, dist = shell.parse()                      # flags, environment, device, process group
+        out_dir, resume_state = shell.claim_run_folder()  # the lock; a new run or a resume
+        inputs = load_inputs(cfg, dist)                # model and data
+        shell.start_run(inputs)                        # notes, then config.json: the first write
+        train(cfg, dist, inputs, out_dir, resume_state)
+    return shell.status
+
+Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
+stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT after writing
+checkpoints/last.pt; 1 the run failed (e.g. the loss became NaN, the disk is full; earlier
+checkpoints are left untouched); 130 Ctrl-C before training started (nothing written, no run
+folder left). Under torchrun every rank returns the same status and only rank 0 prints,
+except that each rank that lost contact with the others (--dist-timeout) says so: status 1.
+
+The order matters for "nothing written on bad input": every check that can fail on what the
+user passed (flags, environment, output places, the run folder, the resume checkpoint, the
+model, the data) runs before `start_run` creates, clears or writes the run folder's files.
+
+Imports of torch and transformers wait until the command line is parsed: `--help` and flag
+errors answer at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from fastpt.cli.args import parse_args
+from fastpt.cli.run_folder import RunFinished, _run_folder_of
+from fastpt.loop.config import TrainConfig
+from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, ModelError, NonFiniteLoss,
+                                     StopRequested, one_line)
+
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for a command stopped by Ctrl-C
+
+
+# ---------------------------------------------------------------------------- checks before any work
+
+def check_environment(cfg: TrainConfig) -> None:
+    """Checks that need no data and no process group; ValueError on failure."""
+    if cfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ValueError("--deepspeed needs the deepspeed package (pip install deepspeed)")
+    if cfg.compile:
+        from fastpt.speedups.compile import check_compile_supported
+        check_compile_supported()
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # must be set before cuBLAS starts
+    if cfg.resume == "auto" and not cfg.out:
+        raise ValueError("--resume auto needs --out: the run folder to continue")
+    if cfg.resume not in (None, "auto"):
+        # Under torchrun rank 0 alone looks for it (plan_out_dir): another node may not see the file.
+        if "RANK" not in os.environ and not Path(cfg.resume).is_file():
+            raise ValueError(f"--resume {cfg.resume}: no such checkpoint file")
+        if cfg.out and Path(cfg.out).resolve() != _run_folder_of(Path(cfg.resume)):
+            raise ValueError(f"--resume {cfg.resume} continues in its own run folder "
+                             f"{_run_folder_of(Path(cfg.resume))}, not --out {cfg.out}; drop --out")
+
+
+def check_device_support(cfg: TrainConfig, dist) -> None:
+    """Checks that need the device: precision support, the DeepSpeed config."""
+    if cfg.amp:
+        from fastpt.speedups.amp import check_dtype_supported
+        check_dtype_supported(cfg.amp_dtype, dist.device)
+    if cfg.strategy == "deepspeed":
+        from fastpt.strategies.deepspeed import check_supported, deepspeed_config
+        check_supported(cfg, dist.device)
+        deepspeed_config(cfg, dist.world_size)  # reads and checks --deepspeed-config
+
+
+# ---------------------------------------------------------------------------- the resolved config
+
+def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
+    """Fill in every "decide for me" setting, so config.json says what really ran."""
+    from fastpt.inputs import data, token_cache
+
+    on_cuda = dist.device.type == "cuda"
+    cfg.out = str(out.resolve())
+    cfg.cache_dir = str(token_cache.cache_root(cfg.cache_dir).resolve())
+    if cfg.data_dir or os.environ.get("FASTPT_DATA_DIR"):  # else ./data, found or downloaded while loading
+        cfg.data_dir = str(Path(cfg.data_dir or os.environ["FASTPT_DATA_DIR"]).resolve())
+    cfg.num_workers, cfg.pin_memory = data.loader_settings(cfg, on_cuda, dist.local_world_size)
+    if cfg.fused_adam is None:
+        cfg.fused_adam = on_cuda
+
+
+# ---------------------------------------------------------------------------- notes on what runs
+
+def notes(cfg: TrainConfig, dist, inputs) -> list[str]:
+    """One line each for what differs from what the flags might suggest."""
+    from fastpt.inputs import imdb, token_cache
+
+    lines = []
+    difference = imdb.differs_from_article(token_cache.split_keys(inputs.cache_path))
+    if difference:
+        lines.append(f"note: the data in {cfg.data_dir} holds {difference}")
+    if cfg.strategy != "single" and dist.world_size == 1:
+        lines.append(f"note: --{cfg.strategy} in a single process runs as a one-rank job; "
+                     f"launch with torchrun --nproc_per_node=N for N processes")
+    for flag, split in (("train-size", "train"), ("val-size", "validation"), ("test-size", "test")):
+        asked, used = getattr(cfg, flag.replace("-", "_")), len(inputs.splits[split])
+        if asked is not None and asked > used:
+            lines.append(f"note: --{flag} {asked} is more than the {split} split has; using all {used}")
+    # Each epoch drops the last, short batch of its shuffle (the article's DataLoader does too): worth a
+    # line once it is a noticeable share of the reviews (the article's run leaves out 8 of 35,000).
+    reviews, used = len(inputs.splits["train"]), inputs.train_examples_used(cfg, dist.world_size)
+    if reviews - used >= 0.01 * reviews:
+        lines.append(f"note: each epoch trains on {used} of the {reviews} training reviews: whole batches of "
+                     f"{cfg.batch_size}{f' x {dist.world_size} processes' if dist.world_size > 1 else ''} "
+                     f"only, the rest of each epoch's shuffle is left out")
+    batches = used // (cfg.batch_size * dist.world_size)  # per process
+    if cfg.grad_accum > batches:
+        lines.append(f"note: --grad-accum {cfg.grad_accum}, but an epoch has {batches} batch"
+                     f"{'' if batches == 1 else 'es'}{' per process' if dist.world_size > 1 else ''}: "
+                     f"each epoch makes one optimiser step, over {batches}")
+    if cfg.amp and cfg.amp_dtype == "bfloat16" and dist.device.type == "cpu" and not cpu_has_native_bfloat16():
+        lines.append("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX): --amp-dtype bfloat16 "
+                     "is emulated here and slower than float32")
+    return lines
+
+
+def cpu_has_native_bfloat16() -> bool:
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+        return False
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Hugging Face and DeepSpeed print load reports, retries and progress bars; fastpt prints its own lines."""
+    import logging
+
+    if verbose:
+        return
+    import huggingface_hub.utils.logging as hub_logging
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------------------- main
+
+# ---------------------------------------------------------------------------- the shell
+
+class CommandLine:
+    """One command's life: parse, check, claim the run folder, start it; the exit status at the end."""
+
+    def __init__(self, argv=None):
+        self.argv = argv
+        self.cfg: TrainConfig | None = None
+        self.dist = None
+        self.lock = None
+        self.plan = None
+        self.notes: list[str] = []
+        self.started = False  # the run folder has been written: failures are no longer "bad input"
+        self.status = EXIT_FAILED
+
+    def parse(self):
+        """Flags and the checks that need no data; the device and, under torchrun, the process group."""
+        self.cfg = cfg = parse_args(self.argv)
+        check_environment(cfg)
+        quiet_libraries(cfg.verbose)
+        from fastpt.machinery import distributed  # torch: only once the flags are good
+        self.dist = distributed.init(cfg.device, needs_group=cfg.strategy != "single", timeout_s=cfg.dist_timeout)
+        return cfg, self.dist
+
+    def claim_run_folder(self) -> tuple[Path, dict | None]:
+        """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet."""
+        from fastpt.cli import run_folder
+        from fastpt.inputs import token_cache
+        from fastpt.machinery import resize
+
+        cfg, dist = self.cfg, self.dist
+        check_device_support(cfg, dist)
+        out = run_folder.choose_out(cfg)
+        run_folder.check_output_folder(out, "--out")
+        cache = token_cache.cache_root(cfg.cache_dir)
+        run_folder.check_output_folder(cache, token_cache.cache_setting(cfg.cache_dir))
+        self.lock = run_folder.claim_out_dir(out, dist)
+        self.plan = run_folder.plan_out_dir(cfg, dist, out)
+        if self.plan.resume_state:
+            resized = resize.adapt(cfg, self.plan.resume_state, dist.world_size)
+            if resized:
+                self.notes.append(resized)
+                if cfg.strategy == "deepspeed":
+                    check_device_support(cfg, dist)  # a --deepspeed-config must agree with the new batch
+        elif cfg.resume == "auto":
+            self.notes.append(f"note: no checkpoint in {out} to resume; starting a new run")
+        resolve_config(cfg, dist, out)
+        return self.plan.out, self.plan.resume_state
+
+    def start_run(self, inputs) -> None:
+        """What differs from what the flags suggest (one line each), then the run folder's first write."""
+        from fastpt.cli import run_folder
+
+        cfg, dist = self.cfg, self.dist
+        cfg.data_dir = cfg.data_dir or str(Path("data").resolve())  # where loading found (or put) the data
+        if dist.is_main:
+            for line in self.notes + notes(cfg, dist, inputs):
+                print(line, file=sys.stderr)
+        self.started = True
+        run_folder.start_out_dir(self.plan, cfg, dist)
+
+    @contextlib.contextmanager
+    def exit_status(self):
+        """Runs the command's body; whatever stops it becomes one line on stderr and `self.status`."""
+        is_main = os.environ.get("RANK", "0") == "0"  # torchrun's rank, until the group exists
+        try:
+            yield self
+            if self.dist.is_main:
+                print(f"outputs: {shlex.quote(str(self.plan.out.resolve()))}")
+            self.status = 0
+        except SystemExit as e:  # argparse: --help (0), or an unknown flag (2, its line already printed)
+            self.status = e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+        except RunFinished as e:
+            if self.dist.is_main:
+                print(e)
+            self.status = 0
+        except (ValueError, DataError, ModelError, CheckpointError) as e:
+            if self.started and not isinstance(e, CheckpointError):
+                raise  # a bug, not bad input: the traceback says where
+            # Bad input before the run folder was written: status 2. After it, a checkpoint that
+            # cannot be written (a full disk): status 1, earlier checkpoints untouched.
+            self.status = EXIT_FAILED if self.started else EXIT_BAD_INPUT
+            if self.dist.is_main if self.dist else is_main:
+                print(f"error: {one_line(e)}", file=sys.stderr)
+        except NonFiniteLoss as e:
+            if self.dist.is_main:
+                print(f"error: {one_line(e)}", file=sys.stderr)
+            self.status = EXIT_FAILED
+        except StopRequested as e:
+            if self.dist.is_main:
+                below_bar = "\n" if self.cfg.progress else ""  # a line of its own, not glued to the bar
+                print(f"{below_bar}stopped: {e}", file=sys.stderr)
+            self.status = EXIT_STOPPED
+        except KeyboardInterrupt:  # Ctrl-C while tokenising, say: nothing written yet, so nothing left behind
+            if self.started:
+                raise
+            if self.dist.is_main if self.dist else is_main:
+                print("\nstopped: interrupted before training started; nothing was written", file=sys.stderr)
+            self.status = EXIT_INTERRUPTED
+        except RuntimeError as e:  # a rank missing or dead: the group did not form, or a collective timed out
+            from fastpt.machinery import distributed
+            if not distributed.lost_contact(e):
+                raise
+            self.status = _lost_contact(e, self.dist.rank if self.dist else int(os.environ.get("RANK", 0)),
+                                        self.cfg)
+        finally:
+            if self.lock is not None:
+                self.lock.release(keep=self.status not in (EXIT_BAD_INPUT, EXIT_INTERRUPTED))
+            if self.dist is not None:
+                from fastpt.machinery import distributed
+                distributed.shutdown()
+
+
+def _lost_contact(e: Exception, rank: int, cfg: TrainConfig) -> int:
+    """One line from every rank that saw it (rank 0 may be the one that died): status 1."""
+    print(f"error: rank {rank} lost contact with the other processes: another one died, or did not answer within "
+          f"--dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); with --save-every, the same command "
+          f"with --resume auto continues from checkpoints/last.pt", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _bad_input(e: Exception, is_main: bool = True) -> int:
+    if is_main:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+    return EXIT_BAD_INPUT

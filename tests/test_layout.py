@@ -1,0 +1,62 @@
+"""The package's folders are its map (fastpt/__init__.py): the layers that teach never import the shell,
+and the run's order lives in train.py alone."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "fastpt"
+SHELL = "fastpt.cli"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function, as dotted names."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def teaching_modules() -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if "cli" not in p.relative_to(PACKAGE).parts and p.name != "__main__.py"]
+
+
+def test_the_teaching_layers_never_import_the_shell():
+    assert len(teaching_modules()) > 25
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p) if m.startswith(SHELL))
+                 for p in teaching_modules()}
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_the_detector_sees_a_shell_import_inside_a_function(tmp_path):
+    """A canary: a local import, as the lazy ones in fastpt are, is found too."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from fastpt.cli import shell\n    from fastpt.cli.args import parse_args\n")
+    assert {"fastpt.cli.shell", "fastpt.cli.args"} <= imported_modules(module)
+
+
+def test_every_module_sits_in_a_layer_folder():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert not loose, f"modules outside a layer folder: {loose}"
+    layers = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert layers == ["cli", "inputs", "loop", "machinery", "speedups", "strategies"]
+    described = (PACKAGE / "__init__.py").read_text()
+    for layer in layers:
+        assert f"{layer}/" in described, f"fastpt/__init__.py's map does not describe {layer}/"
+
+
+def test_the_runs_order_lives_in_train_py_alone():
+    """train.py calls the epoch loop, evaluation and the best checkpoint; nothing in the package does."""
+    calls = {"train_epoch", "save_best", "load_best"}
+
+    def called(path: Path) -> set[str]:
+        return {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)}
+
+    assert calls <= called(ROOT / "train.py")
+    holders = {str(p.relative_to(ROOT)): sorted(calls & called(p)) for p in PACKAGE.rglob("*.py")}
+    assert not {k: v for k, v in holders.items() if v}
