@@ -50,6 +50,7 @@ import torch
 
 from fastpt.loop.config import TrainConfig
 from fastpt.machinery import distributed
+from fastpt.machinery.errors import CheckpointError
 from fastpt.strategies.base import Strategy, _local_bytes
 
 
@@ -244,7 +245,7 @@ class DeepSpeedStrategy(Strategy):
                     shutil.rmtree(old)
         self.model.save_checkpoint(str(folder), tag=tag)
         self._previous_tag = tag
-        return {"deepspeed_tag": tag}
+        return {"deepspeed_tag": tag, "world_size": self.dist.world_size}
 
     def load_training_state(self, state: dict, ckpt_dir: Path) -> None:
         """engine.load_checkpoint; one written by another number of processes goes through a universal checkpoint.
@@ -256,9 +257,15 @@ class DeepSpeedStrategy(Strategy):
         number of processes loads it (`checkpoint.load_universal`).
         """
         tag, folder = state["deepspeed_tag"], ckpt_dir / "deepspeed"
-        if not (folder / tag).is_dir():
-            raise ValueError(f"DeepSpeed checkpoint {folder / tag} is missing")
-        universal = _written_by(folder / tag) != self.dist.world_size
+        # Every rank reads its own shard from disk: all must see the folder (a shared --out), or all
+        # stop together with one line (a rank that raised alone would leave the others waiting).
+        sees = any((folder / tag).glob("*model_states.pt"))  # the engine's state: node 0 alone writes it
+        unseen = [rank for rank, seen in enumerate(distributed.all_gather_object(sees)) if not seen]
+        if unseen:
+            raise CheckpointError(f"DeepSpeed checkpoint {folder / tag} is missing or incomplete on rank(s) "
+                                  f"{', '.join(map(str, unseen))}: --deepspeed resumes from every rank's shard, so "
+                                  f"every node must see the same --out (a shared file system)")
+        universal = state.get("world_size", _written_by(folder / tag)) != self.dist.world_size
         load_tag = self._to_universal(folder, tag) if universal else tag
         self.model._config.load_universal_checkpoint = universal  # read by load_checkpoint only
         try:
@@ -266,8 +273,9 @@ class DeepSpeedStrategy(Strategy):
         finally:
             self.model._config.load_universal_checkpoint = False
         if path is None:
-            raise ValueError(f"DeepSpeed checkpoint {folder / load_tag} is missing")
+            raise CheckpointError(f"DeepSpeed checkpoint {folder / load_tag} is missing")
         self._previous_tag = tag
+        self._skipped_before = self.model.skipped_steps  # the checkpoint's count: not skips of this run
 
     def _to_universal(self, folder: Path, tag: str) -> str:
         """Rank 0 converts `tag` with DeepSpeed's ds_to_universal (once: the result is kept); the others wait.
@@ -289,7 +297,6 @@ class DeepSpeedStrategy(Strategy):
             os.rename(tmp, folder / universal)
         distributed.barrier()
         return universal
-        self._skipped_before = self.model.skipped_steps  # the checkpoint's count: not skips of this run
 
     def memory_report(self) -> dict:
         """Bytes this rank holds. Gradients are counted at the size ZeRO keeps between steps.
