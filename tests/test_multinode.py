@@ -161,7 +161,7 @@ def test_two_nodes_with_local_disks_or_a_shared_one_match_one_node(reference, im
 
 # ---------------------------------------------------------------------------- elastic restarts
 
-@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.slow)])  # rank 1: -m slow
 def test_elastic_restart_survives_sigkill_of_any_rank(reference, imdb_dir, tmp_path, victim):
     """SIGKILL of one worker in step 5 (last.pt at step 4): torchrun restarts both, and they resume."""
     out = tmp_path / "run"
@@ -180,6 +180,7 @@ def test_elastic_restart_survives_sigkill_of_any_rank(reference, imdb_dir, tmp_p
     assert_same_run(reference, out)
 
 
+@pytest.mark.slow  # a 12 s hang and two timeouts
 def test_a_hung_rank_stops_every_rank_after_dist_timeout(imdb_dir, tmp_path):
     """Rank 1 stops answering in step 2: rank 0 gives up after --dist-timeout with one line, then rank 1 too."""
     command = [str(ELASTIC_KILL), "1", "2", "--hang", "12", "--no-dropout", "--",
