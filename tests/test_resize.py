@@ -248,6 +248,7 @@ def test_a_stopped_run_continues_on_another_number_of_processes(resized, strateg
     assert json.loads((cont / "config.json").read_text())["batch_size"] == 8 // nproc
 
 
+@pytest.mark.slow  # it reads a last.pt of the resize launches above
 def test_a_different_batch_size_on_resume_is_still_refused(resized, imdb_dir, cache_dir, capsys):
     outs, _ = resized
     args = common_args(imdb_dir, cache_dir, outs["ddp", "on1"], ["--ddp", "--epochs", "2", "--resume", "auto"])
