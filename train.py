@@ -2,6 +2,7 @@
 
     python train.py                                  # the article's baseline
     python train.py --amp --compile --pack           # single-device speed-ups
+    python train.py --data my.csv --label-column y   # your own data (fastpt/inputs/own_data.py)
     torchrun --nproc_per_node=4 train.py --amp --compile --ddp
 
 Start reading here. `train` is the run as the articles' scripts write it: build, then for each
@@ -30,7 +31,7 @@ def train(cfg, dist, inputs, out_dir, resume_state=None) -> dict:
             train_metrics = train_epoch(run.strategy, run.train_loader, book, run.forward_loss)
             val = run.evaluate("validation")  # no gradients, larger batches, every rank its share
             run.check_finite(val)  # a NaN validation loss stops the run: no best.pt from it
-            monitored = val[cfg.monitor.removeprefix("val_")]  # --monitor val_acc (default) or val_loss
+            monitored = val[cfg.monitor.removeprefix("val_")]  # --monitor val_acc (default), val_loss, val_macro_f1
             improved = run.best.update(monitored, book.epoch + 1)  # strictly better than every epoch before
             if improved:
                 run.save_best(monitored)  # checkpoints/best.pt
@@ -38,7 +39,10 @@ def train(cfg, dist, inputs, out_dir, resume_state=None) -> dict:
             run.end_epoch(train_metrics, val, improved)  # the epoch's line, TensorBoard, last.pt
         run.load_best()  # the weights to test: best.pt's (--test-on best), sent to every rank
         test = run.evaluate("test")
-        return run.report(test)  # results.json
+        results = run.report(test)  # results.json
+        if cfg.export_dir:
+            run.export()  # the tested weights as a Hugging Face model folder (pipeline loads it)
+        return results
 
 
 def main(argv=None) -> int:

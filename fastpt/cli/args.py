@@ -53,6 +53,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-dir", default=None,
                    help="folder with aclImdb_v1.tar.gz, the labelled tarball or an extracted aclImdb/ "
                         "(default: $FASTPT_DATA_DIR, else ./data, downloading if missing)")
+    g.add_argument("--data", default=None, metavar="PATH_OR_NAME",
+                   help="your own data instead of IMDB: a .csv, .tsv, .jsonl or .parquet file, a folder written by "
+                        "datasets' save_to_disk, or a Hugging Face Hub dataset name (README: Your own data)")
+    g.add_argument("--val-data", default=None, metavar="FILE",
+                   help="with --data: the validation split's own file (default: carved from --data)")
+    g.add_argument("--test-data", default=None, metavar="FILE",
+                   help="with --data: the test split's own file (default: carved from --data)")
+    g.add_argument("--text-column", default=None, help="with --data: the column holding the text (default: text)")
+    g.add_argument("--text-pair-column", default=None,
+                   help="with --data: a second text column (sentence pairs), tokenised as (text, pair)")
+    g.add_argument("--label-column", default=None,
+                   help="with --data: the label column, integers or strings; ids follow their sorted order "
+                        "(default: label)")
+    g.add_argument("--val-fraction", type=float, default=None,
+                   help="with --data and no validation split: the share of --data carved out for it, "
+                        "stratified by label (default: 0.1)")
+    g.add_argument("--test-fraction", type=float, default=None,
+                   help="with --data and no test split: the share of --data carved out for it (default: 0.2)")
+    g.add_argument("--split-seed", type=int, default=None,
+                   help=f"with --data: the shuffle that carves the splits (default: {d.split_seed})")
     g.add_argument("--cache-dir", default=None,
                    help="tokenised-split cache (default: $FASTPT_CACHE_DIR or ~/.cache/fastpt)")
     g.add_argument("--max-length", type=int, default=d.max_length, help="tokens per review, truncated")
@@ -136,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=int, default=d.log_every, help="optimiser steps between log lines")
     g.add_argument("--save-every", type=int, default=None, help="write checkpoints/last.pt every N optimiser steps")
     g.add_argument("--resume", default=None, help="'auto' or a path to last.pt")
+    g.add_argument("--export-dir", default=None,
+                   help="at the end, write the tested weights, config (with label names) and tokenizer as a "
+                        "Hugging Face model folder (transformers.pipeline loads it)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bars")
     g.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no tb/ event files")
     g.add_argument("--verbose", action="store_true",

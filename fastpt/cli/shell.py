@@ -80,6 +80,15 @@ def check_device_support(cfg: TrainConfig, dist) -> None:
         deepspeed_config(cfg, dist.world_size)  # reads and checks --deepspeed-config
 
 
+def check_export_dir(path: Path, overwrite: bool) -> None:
+    """--export-dir: a folder that can be written, and not one holding other files unless --overwrite."""
+    from fastpt.cli import run_folder
+
+    run_folder.check_output_folder(path, "--export-dir")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ValueError(f"--export-dir {path} is not empty; choose another folder or pass --overwrite")
+
+
 # ---------------------------------------------------------------------------- the resolved config
 
 def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
@@ -89,8 +98,15 @@ def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
     on_cuda = dist.device.type == "cuda"
     cfg.out = str(out.resolve())
     cfg.cache_dir = str(token_cache.cache_root(cfg.cache_dir).resolve())
-    if cfg.data_dir or os.environ.get("FASTPT_DATA_DIR"):  # else ./data, found or downloaded while loading
+    if cfg.data:  # your own data: local paths resolved (a Hub name stays a name)
+        for name in ("data", "val_data", "test_data"):
+            value = getattr(cfg, name)
+            if value and Path(value).exists():
+                setattr(cfg, name, str(Path(value).resolve()))
+    elif cfg.data_dir or os.environ.get("FASTPT_DATA_DIR"):  # else ./data, found or downloaded while loading
         cfg.data_dir = str(Path(cfg.data_dir or os.environ["FASTPT_DATA_DIR"]).resolve())
+    if cfg.export_dir:
+        cfg.export_dir = str(Path(cfg.export_dir).resolve())
     cfg.num_workers, cfg.pin_memory = data.loader_settings(cfg, on_cuda, dist.local_world_size)
     if cfg.fused_adam is None:
         cfg.fused_adam = on_cuda
@@ -103,7 +119,7 @@ def notes(cfg: TrainConfig, dist, inputs) -> list[str]:
     from fastpt.inputs import imdb, token_cache
 
     lines = []
-    difference = imdb.differs_from_article(token_cache.split_keys(inputs.cache_path))
+    difference = None if cfg.data else imdb.differs_from_article(token_cache.split_keys(inputs.cache_path))
     if difference:
         lines.append(f"note: the data in {cfg.data_dir} holds {difference}")
     if cfg.strategy != "single" and dist.world_size == 1:
@@ -192,6 +208,8 @@ class CommandLine:
         run_folder.check_output_folder(out, "--out")
         cache = token_cache.cache_root(cfg.cache_dir)
         run_folder.check_output_folder(cache, token_cache.cache_setting(cfg.cache_dir))
+        if cfg.export_dir:
+            check_export_dir(Path(cfg.export_dir), cfg.overwrite)
         self.lock = run_folder.claim_out_dir(out, dist)
         self.plan = run_folder.plan_out_dir(cfg, dist, out)
         if self.plan.resume_state:
@@ -210,7 +228,8 @@ class CommandLine:
         from fastpt.cli import run_folder
 
         cfg, dist = self.cfg, self.dist
-        cfg.data_dir = cfg.data_dir or str(Path("data").resolve())  # where loading found (or put) the data
+        if not cfg.data:
+            cfg.data_dir = cfg.data_dir or str(Path("data").resolve())  # where loading found (or put) the data
         if dist.is_main:
             for line in self.notes + notes(cfg, dist, inputs):
                 print(line, file=sys.stderr)

@@ -61,8 +61,9 @@ class Collator:
     without reading a tensor.
     """
 
-    def __init__(self, pad_id: int, pad_to: str, max_length: int):
+    def __init__(self, pad_id: int, pad_to: str, max_length: int, sep_id: Optional[int] = None):
         self.pad_id, self.pad_to, self.max_length = pad_id, pad_to, max_length
+        self.sep_id = sep_id  # sentence pairs on BERT-style models: token_type_ids from the [SEP] tokens
 
     def __call__(self, items):
         lengths = [len(t) for t, _, _ in items]
@@ -72,7 +73,7 @@ class Collator:
         for row, (tokens, _, _) in enumerate(items):
             input_ids[row, :len(tokens)] = torch.from_numpy(tokens.astype(np.int64))
             attention_mask[row, :len(tokens)] = 1
-        return {
+        batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": torch.tensor([label for _, label, _ in items], dtype=torch.long),
@@ -80,14 +81,26 @@ class Collator:
             "lengths": lengths,
             "num_tokens": len(items) * width,
         }
+        if self.sep_id is not None:
+            batch["token_type_ids"] = pair_token_types(input_ids, attention_mask, self.sep_id)
+        return batch
 
 
-def make_collator(cfg, pad_id: int):
+def pair_token_types(input_ids: torch.Tensor, attention_mask: torch.Tensor, sep_id: int) -> torch.Tensor:
+    """BERT's segment ids of `[CLS] a [SEP] b [SEP]`: 0 up to the first [SEP] included, 1 after, 0 on padding.
+
+    The cache keeps only input_ids; this rebuilds what the tokenizer's token_type_ids were
+    (own_data.py checks that it does, for the tokenizer in use)."""
+    sep = (input_ids == sep_id).long()
+    return (((sep.cumsum(-1) - sep) > 0).long() * attention_mask).long()
+
+
+def make_collator(cfg, pad_id: int, sep_id: Optional[int] = None):
     """Padded batches (Collator), or padding-free packed ones with --pack (packing.PackedCollator)."""
     if cfg.pack:
         from fastpt.speedups.packing import PackedCollator
         return PackedCollator(pad_id, cfg.pack_multiple, cfg.max_length)
-    return Collator(pad_id, cfg.pad_to, cfg.max_length)
+    return Collator(pad_id, cfg.pad_to, cfg.max_length, sep_id)
 
 
 # --------------------------------------------------------------------------- samplers

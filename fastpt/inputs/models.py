@@ -127,10 +127,15 @@ def check_max_length(tokenizer, max_length: int) -> None:
                          f"use at least {len(specials) + 1}")
 
 
-def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa") -> PreTrainedModel:
-    """A 2-label sequence classifier. Random weights for `tiny` and with `random_init`."""
+def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa",
+               label_names: list | None = None) -> PreTrainedModel:
+    """A sequence classifier with one output per label (IMDB: 2). Random weights for `tiny` and with `random_init`.
+
+    With `label_names` (--data) the config's id2label / label2id name them; without, IMDB's run
+    keeps the model's config exactly as it was (LABEL_0, LABEL_1)."""
+    labels = label_config(label_names)
     if name == "tiny":
-        return _from_config(tiny_config(), attn_implementation)
+        return _from_config(tiny_config(), attn_implementation, labels)
     path = str(minilm_dir()) if name == "minilm" else name
     if _from_hub(path) and not (random_init and name == ARTICLE_MODEL):
         hub_offline()
@@ -142,18 +147,30 @@ def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa") 
                 config = AutoConfig.from_pretrained(path)
             except (OSError, ValueError) as e:
                 raise ModelError(f"cannot load a config from {name!r}: {_cause(path, e)}") from None
-        return _from_config(config, attn_implementation)
+        return _from_config(config, attn_implementation, labels)
     if os.path.isdir(path) and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
         raise ModelError(f"model folder {path} has no weights (*.safetensors or *.bin)")
     try:
         return AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=NUM_LABELS, attn_implementation=attn_implementation)
+            path, attn_implementation=attn_implementation, **labels,
+            # a checkpoint fine-tuned on other labels: a new head of the right size, the encoder kept
+            **({"ignore_mismatched_sizes": True} if label_names is not None else {}))
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {name!r}: {_cause(path, e)}") from None
 
 
-def _from_config(config, attn_implementation: str) -> PreTrainedModel:
-    config.num_labels = NUM_LABELS
+def label_config(label_names: list | None) -> dict:
+    """The config keywords that size the classification head (and name its outputs)."""
+    if label_names is None:
+        return {"num_labels": NUM_LABELS}
+    return {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)),
+            "label2id": {name: i for i, name in enumerate(label_names)}}
+
+
+def _from_config(config, attn_implementation: str, labels: dict) -> PreTrainedModel:
+    config.num_labels = labels["num_labels"]
+    if "id2label" in labels:
+        config.id2label, config.label2id = labels["id2label"], labels["label2id"]
     return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation)
 
 

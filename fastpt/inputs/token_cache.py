@@ -207,7 +207,13 @@ def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer,
             outcome = ("ok", str(path))
         except imdb.DataError as e:
             outcome = ("error", str(e))
-    outcomes = gather(outcome)
+    path = agree(gather(outcome), builder)
+    return load_cache(path, max_length, ends_with_special_token(tokenizer)), path
+
+
+def agree(outcomes: list, builder: int) -> Path:
+    """The cache this rank reads (its node builder's), after every builder's outcome is known:
+    the first error anywhere, or nodes whose data differ, stop every rank with one line."""
     errors = [value for status, value in filter(None, outcomes) if status == "error"]
     if errors:
         raise imdb.DataError(errors[0])
@@ -215,12 +221,15 @@ def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer,
     if len(keys) > 1:
         raise imdb.DataError(f"the nodes found different data ({', '.join(sorted(keys))}); "
                              f"give every node the same --data-dir contents")
-    path = Path(outcomes[builder][1])
-    return load_cache(path, max_length, ends_with_special_token(tokenizer)), path
+    return Path(outcomes[builder][1])
 
 
 def _build_once(source: Path, tokenizer, path: Path) -> None:
-    """build_cache under an exclusive lock on <path>.lock: concurrent runs build it once."""
+    build_once(path, lambda: build_cache(source, tokenizer, path))
+
+
+def build_once(path: Path, build) -> None:
+    """build() under an exclusive lock on <path>.lock: concurrent runs build it once."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_name(path.name + ".lock"), "a")
@@ -230,4 +239,4 @@ def _build_once(source: Path, tokenizer, path: Path) -> None:
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, also if the process dies
         if not _is_complete(path):  # another run may have built it while this one waited
-            build_cache(source, tokenizer, path)
+            build()

@@ -22,7 +22,7 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed")
 
 # The allowed values of every setting with a fixed set: argparse's choices and the dataclass check.
 CHOICES = {
-    "monitor": ("val_acc", "val_loss"),
+    "monitor": ("val_acc", "val_loss", "val_macro_f1"),
     "test_on": ("best", "last"),
     "pad_to": ("max_length", "longest"),
     "device": ("auto", "cpu", "cuda"),
@@ -43,12 +43,18 @@ NEEDS = {
     "deepspeed_config": ("--deepspeed", lambda c: c.get("strategy") == "deepspeed"),
     "fsdp_reshard_after_forward": ("--fsdp", lambda c: c.get("strategy") == "fsdp"),
     "min_delta": ("--early-stopping-patience", lambda c: c.get("early_stopping_patience") is not None),
+    # Your own data (fastpt/inputs/own_data.py): these describe the table --data names.
+    **{name: ("--data", lambda c: c.get("data")) for name in (
+        "val_data", "test_data", "text_column", "text_pair_column", "label_column", "val_fraction",
+        "test_fraction", "split_seed")},
 }
 
 # Settings that change what a checkpoint holds: resuming with any of them changed is refused.
 RESUME_SENSITIVE = (
     "model", "random_init", "max_length", "batch_size", "lr", "seed", "grad_accum",
     "train_size", "strategy", "amp", "amp_dtype", "zero_stage", "bucket", "pad_to", "pack",
+    "data", "val_data", "test_data", "text_column", "text_pair_column", "label_column", "val_fraction",
+    "test_fraction", "split_seed",
 )
 
 
@@ -63,6 +69,20 @@ class TrainConfig:
     train_size: Optional[int] = None
     val_size: Optional[int] = None
     test_size: Optional[int] = None
+    # Your own data instead of IMDB (fastpt/inputs/own_data.py); None: IMDB, the article's run.
+    data: Optional[str] = None  # a CSV / TSV / JSON Lines / Parquet file, a save_to_disk folder or a Hub name
+    val_data: Optional[str] = None  # the validation split's own file (else carved from --data)
+    test_data: Optional[str] = None  # the test split's own file (else carved from --data)
+    text_column: Optional[str] = None  # "text" with --data
+    text_pair_column: Optional[str] = None  # a second text (sentence pairs): tokenizer(text, pair)
+    label_column: Optional[str] = None  # "label" with --data
+    val_fraction: Optional[float] = None  # carved from the training set where --data has no validation split
+    test_fraction: Optional[float] = None  # likewise for test
+    split_seed: int = 0  # the carving's shuffle (not --seed: a new --seed keeps the split)
+    export_dir: Optional[str] = None  # the tested weights as a Hugging Face model folder
+    # Resolved while loading the data, written to config.json and best.pt: id i is label_names[i].
+    label_names: Optional[list] = None
+    data_splits: Optional[dict] = None  # where each split came from
 
     # The article's hyperparameters.
     batch_size: int = 12
@@ -169,6 +189,32 @@ class TrainConfig:
             raise ValueError("--data-on-device gathers batches on the device: drop --num-workers / --pin-memory")
         if self.early_stopping_patience is None and self.min_delta != 0.0:
             raise ValueError("--min-delta needs --early-stopping-patience")
+        self._check_own_data()
+
+    def _check_own_data(self) -> None:
+        """--data's settings; defaults filled in here, so a resumed run compares what ran."""
+        if self.data is None:
+            return  # IMDB: the article's split (imdb.py)
+        if self.data_dir is not None:
+            raise ValueError("--data-dir is IMDB's folder; with --data, drop it")
+        self.text_column = self.text_column or "text"
+        self.label_column = self.label_column or "label"
+        if self.text_pair_column in (self.text_column, self.label_column) or self.text_column == self.label_column:
+            raise ValueError("--text-column, --text-pair-column and --label-column must name different columns")
+        for split, flag in (("val", "--val-data"), ("test", "--test-data")):
+            fraction = getattr(self, f"{split}_fraction")
+            if getattr(self, f"{split}_data") is not None and fraction is not None:
+                raise ValueError(f"--{split}-fraction carves a split from --data; with {flag} drop it")
+            if fraction is not None and not (math.isfinite(fraction) and 0 < fraction < 1):
+                raise ValueError(f"--{split}-fraction must be between 0 and 1, got {fraction}")
+        if self.val_data is None and self.val_fraction is None:
+            self.val_fraction = 0.1
+        if self.test_data is None and self.test_fraction is None:
+            self.test_fraction = 0.2
+        carved = (self.val_fraction or 0) + (self.test_fraction or 0)
+        if carved >= 1:
+            raise ValueError(f"--val-fraction {self.val_fraction} + --test-fraction {self.test_fraction} "
+                             f"= {carved:g} leaves no training data; keep the sum below 1")
 
     @property
     def varying_lengths(self) -> bool:
@@ -177,7 +223,7 @@ class TrainConfig:
 
     @property
     def monitor_mode(self) -> str:
-        return "max" if self.monitor == "val_acc" else "min"
+        return "min" if self.monitor == "val_loss" else "max"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

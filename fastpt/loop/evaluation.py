@@ -12,7 +12,8 @@ evaluation batch has the same size (the last one is filled with weight-0 reviews
 compiled evaluation compiles once.
 
 Each rank evaluates its own shard (see data.EvalBatchSampler); the loss sum, the correct
-count and the example count are all-reduced once at the end, so every rank holds the same
+count, the example count and the confusion counts (labels x predictions, for macro-F1 and the
+per-class counts) are one float64 vector on the device, all-reduced once at the end, so every rank holds the same
 metrics over the whole split, each example counted once. Both ways of evening out ranks lose
 that: a DistributedSampler repeats examples where the split does not divide by the number of
 ranks, and a loader with `drop_last=True` drops the last incomplete batch. The article's DDP
@@ -34,26 +35,32 @@ from fastpt.machinery.distributed import all_reduce_sum
 
 
 def make_eval_sums(strategy, max_length: int):
-    """eval_sums(model, batch) -> [weighted loss sum, weighted correct, weight]: compiled like the step."""
+    """eval_sums(model, batch) -> [weighted loss sum, weighted correct, weight, confusion (K x K, flat)]:
+    compiled like the step. confusion[true * K + predicted] counts each example by its weight."""
 
     def eval_sums(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         with strategy.autocast():
             logits = classify(model, batch, max_length)
         weight = batch["weight"].double()
         losses = F.cross_entropy(logits.float(), batch["labels"], reduction="none").double()
-        correct = (logits.argmax(dim=-1) == batch["labels"]).double()
-        return torch.stack([(losses * weight).sum(), (correct * weight).sum(), weight.sum()])
+        predicted = logits.argmax(dim=-1)
+        correct = (predicted == batch["labels"]).double()
+        k = logits.shape[-1]
+        confusion = torch.zeros(k * k, dtype=torch.float64, device=logits.device).index_add_(
+            0, batch["labels"] * k + predicted, weight)
+        return torch.cat([torch.stack([(losses * weight).sum(), (correct * weight).sum(), weight.sum()]), confusion])
 
     return strategy.compile_step(eval_sums)
 
 
 @torch.no_grad()
-def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None) -> dict:
-    """{'loss', 'acc', 'n'} over the whole split, identical on every rank."""
+def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num_labels: int = 2) -> dict:
+    """{'loss', 'acc', 'macro_f1', 'confusion', 'n'} over the whole split, identical on every rank."""
     eval_sums = eval_sums or make_eval_sums(strategy, strategy.cfg.max_length)
     was_training = strategy.model.training
     strategy.train(False)
-    sums = torch.zeros(3, dtype=torch.float64, device=strategy.device)  # loss sum, correct, examples
+    # loss sum, correct, examples, then the confusion counts
+    sums = torch.zeros(3 + num_labels ** 2, dtype=torch.float64, device=strategy.device)
     for batch in loader:
         start = time.perf_counter()
         sums += eval_sums(strategy.model, strategy.to_device(batch))
@@ -63,5 +70,29 @@ def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None) -> 
             bar.update(1)
     all_reduce_sum(sums)
     strategy.train(was_training)
-    loss_sum, correct, n = sums.tolist()
-    return {"loss": loss_sum / max(n, 1), "acc": correct / max(n, 1), "n": int(round(n))}
+    values = sums.tolist()
+    loss_sum, correct, n = values[:3]
+    confusion = [[int(round(c)) for c in values[3 + i * num_labels:3 + (i + 1) * num_labels]]
+                 for i in range(num_labels)]
+    return {"loss": loss_sum / max(n, 1), "acc": correct / max(n, 1), "macro_f1": macro_f1(confusion),
+            "confusion": confusion, "n": int(round(n))}
+
+
+def per_class(confusion: list, names: list) -> dict:
+    """{label name: support, predicted, correct, precision, recall, f1} from confusion[true][predicted]."""
+    out = {}
+    for i, name in enumerate(names):
+        support, predicted, correct = sum(confusion[i]), sum(row[i] for row in confusion), confusion[i][i]
+        out[name] = {"support": support, "predicted": predicted, "correct": correct,
+                     "precision": correct / predicted if predicted else 0.0,
+                     "recall": correct / support if support else 0.0,
+                     "f1": 2 * correct / (support + predicted) if support + predicted else 0.0}
+    return out
+
+
+def macro_f1(confusion: list) -> float:
+    """The mean F1 over the labels that occur in the split or in the predictions (scikit-learn's
+    f1_score(average="macro") with its default labels): a label never seen nor predicted is left out."""
+    f1 = [2 * confusion[i][i] / (sum(confusion[i]) + sum(row[i] for row in confusion))
+          for i in range(len(confusion)) if sum(confusion[i]) + sum(row[i] for row in confusion)]
+    return sum(f1) / len(f1) if f1 else 0.0

@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastpt.inputs import data
+from fastpt.inputs import data, own_data
 from fastpt.inputs.models import check_max_length, count_parameters, load_model, load_tokenizer
 from fastpt.inputs.token_cache import cache_root, prepare_splits
 from fastpt.loop.config import TrainConfig
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
-from fastpt.loop.evaluation import evaluate, make_eval_sums
+from fastpt.loop.evaluation import evaluate, make_eval_sums, per_class
 from fastpt.loop.step import make_forward_loss
 from fastpt.machinery import checkpoint, distributed, metrics
 from fastpt.machinery.bookkeeping import Bookkeeping, NonFiniteLoss
@@ -41,6 +41,8 @@ from fastpt.speedups import backends
 from fastpt.strategies import build_strategy
 
 
+IMDB_LABELS = ("neg", "pos")  # imdb.py: label 1 = the pos/ folder
+PACKED_MODELS = ("distilbert", "bert")  # packing.PackedClassifier's architectures
 WARMUP_STEPS = 3  # left out of throughput: allocator warm-up, compilation, autotuning
 
 
@@ -57,6 +59,8 @@ class Inputs:
     model: torch.nn.Module  # initial weights, on the CPU; the strategy takes it over
     splits: dict  # "train", "validation", "test" -> data.TokenizedSplit, cut to --train-size etc.
     cache_path: Path  # the token cache they came from
+    label_names: list  # id i is label_names[i] (IMDB: neg, pos)
+    model_config: object = None  # the model's config, for --export-dir (the strategy takes the model)
 
     def train_examples_used(self, cfg: TrainConfig, world_size: int) -> int:
         """Reviews one epoch trains on, over all processes: its whole global batches (TrainBatchSampler
@@ -67,20 +71,50 @@ class Inputs:
 
 def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
     """Tokenizer, model and data: everything bad input can break."""
-    seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
     tokenizer = load_tokenizer(cfg.model)
     check_max_length(tokenizer, cfg.max_length)
-    model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation)
     # Each node's first process builds or reads the cache in its own --cache-dir (nodes need not share a disk).
-    splits, cache_path = prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length,
-                                        builds=dist.local_rank == 0, gather=distributed.all_gather_object,
-                                        builder=distributed.node_first_rank(dist))
+    shared = dict(builds=dist.local_rank == 0, gather=distributed.all_gather_object,
+                  builder=distributed.node_first_rank(dist))
+    if cfg.data is None:  # IMDB, the article's split
+        splits, cache_path = prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length, **shared)
+        label_names = None  # the model's config as the article's run has it
+        cfg.label_names = list(IMDB_LABELS)
+    else:  # --data: your own table (own_data.py)
+        splits, cache_path, label_names, cfg.data_splits = own_data.prepare_splits(cfg, tokenizer, **shared)
+        cfg.label_names = label_names
+    seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
+    model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation, label_names)
+    check_model_fits(cfg, model, tokenizer)
     sizes = {"train": cfg.train_size, "validation": cfg.val_size, "test": cfg.test_size}
-    inputs = Inputs(tokenizer, model, {name: splits[name].head(n) for name, n in sizes.items()}, cache_path)
+    inputs = Inputs(tokenizer, model, {name: splits[name].head(n) for name, n in sizes.items()}, cache_path,
+                    cfg.label_names, model.config)
     if inputs.train_examples_used(cfg, dist.world_size) == 0:
         raise ValueError(f"{len(inputs.splits['train'])} training examples over {dist.world_size} process(es) "
                          f"make no full batch of {cfg.batch_size}")
     return inputs
+
+
+def check_model_fits(cfg: TrainConfig, model, tokenizer) -> None:
+    """What --pack and sentence pairs need of the model, refused before anything is written."""
+    kind = model.config.model_type
+    if cfg.pack and kind not in PACKED_MODELS:
+        raise ValueError(f"--pack supports {', '.join(PACKED_MODELS)} models, not {kind}; drop --pack")
+    if cfg.pack and pair_token_types(cfg, model.config):
+        raise ValueError(f"--pack cannot carry the token_type_ids that {kind} gives a sentence pair's second "
+                         f"text; drop --pack or --text-pair-column")
+    if pair_token_types(cfg, model.config):  # the batches rebuild token_type_ids from [SEP]: check that it holds
+        sample = tokenizer("a first text", "and a second one", return_tensors="pt")
+        rebuilt = data.pair_token_types(sample["input_ids"], sample["attention_mask"], tokenizer.sep_token_id)
+        if "token_type_ids" not in sample or not torch.equal(rebuilt, sample["token_type_ids"]):
+            raise ValueError(f"--text-pair-column: {type(tokenizer).__name__} does not mark a pair's second text "
+                             f"after the first separator token as fastpt's batches assume; drop --text-pair-column")
+
+
+def pair_token_types(cfg: TrainConfig, model_config) -> bool:
+    """Whether batches need token_type_ids: sentence pairs on a model with segment embeddings (BERT; not
+    DistilBERT, which has none, nor RoBERTa, which has one)."""
+    return bool(cfg.text_pair_column) and getattr(model_config, "type_vocab_size", 0) > 1
 
 
 class Run:
@@ -102,7 +136,8 @@ class Run:
         self.stopper = GracefulStop()
 
         backends.configure(cfg, self.device, cache_root(cfg.cache_dir))
-        self._build_loaders(inputs.tokenizer.pad_token_id or 0)
+        sep_id = inputs.tokenizer.sep_token_id if pair_token_types(cfg, inputs.model_config) else None
+        self._build_loaders(inputs.tokenizer.pad_token_id or 0, sep_id)
         model, inputs.model = inputs.model, None  # the strategy holds it from here on
         resume_step = resume_state["progress"]["global_step"] if resume_state else None
         # purge_step: drop what a killed run logged after its checkpoint (logged up to and including it).
@@ -150,11 +185,11 @@ class Run:
         self.strategy.close()
         self.tracker.close()
 
-    def _build_loaders(self, pad_id: int) -> None:
+    def _build_loaders(self, pad_id: int, sep_id: int | None = None) -> None:
         """The training sampler and loader, and one evaluation loader per split (data.py)."""
         cfg, dist = self.cfg, self.dist
         workers, pin = data.loader_settings(cfg, self.device.type == "cuda", dist.local_world_size)
-        collate = data.make_collator(cfg, pad_id)
+        collate = data.make_collator(cfg, pad_id, sep_id)
         self.train_sampler = data.TrainBatchSampler(self.splits["train"], cfg.batch_size, dist.rank, dist.world_size,
                                                     cfg.seed, cfg.bucket, cfg.bucket_multiplier,
                                                     balance_tokens=cfg.pack)
@@ -183,11 +218,13 @@ class Run:
         self.book.start_epoch(len(self.train_loader))
 
     def evaluate(self, split: str) -> dict:
-        """{'loss', 'acc', 'n'} of the validation or test split: no gradients, every rank its share."""
+        """{'loss', 'acc', 'macro_f1', 'confusion', 'n'} of the validation or test split: no gradients,
+        every rank its share."""
         loader = self.eval_loaders[split]
         bar = self.tracker.bar(len(loader), f"{split}")
         start, compiled_before = time.perf_counter(), self.book.compile_clock.seconds
-        out = evaluate(self.strategy, loader, self.eval_sums, bar, self.book.compile_clock)
+        out = evaluate(self.strategy, loader, self.eval_sums, bar, self.book.compile_clock,
+                       num_labels=len(self.inputs.label_names))
         if split == "validation":
             self.val_time_s += time.perf_counter() - start  # evaluate() ends reading the sums: synchronised
             # Host time of the batches that compiled (the clock's, as for train_time_no_compile_s): taking it
@@ -209,11 +246,13 @@ class Run:
         cfg, book = self.cfg, self.book
         book.stop_epoch_clock()
         row = {"epoch": book.epoch + 1, "step": book.global_step, **train_metrics,
-               "val_loss": val["loss"], "val_acc": val["acc"], "train_time_s": book.train_time_s}
+               "val_loss": val["loss"], "val_acc": val["acc"], "val_macro_f1": val["macro_f1"],
+               "train_time_s": book.train_time_s}
         self.history.append(row)
         self.tracker.scalars({k: v for k, v in row.items() if k not in ("epoch", "step")}, book.global_step, "epoch/")
         self.tracker.print(f"epoch {book.epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
-                           f"val loss {val['loss']:.4f} acc {val['acc']:.4f}{' (best)' if improved else ''} | "
+                           f"val loss {val['loss']:.4f} acc {val['acc']:.4f} macro-F1 {val['macro_f1']:.4f}"
+                           f"{' (best)' if improved else ''} | "
                            f"{book.train_time_s:.1f} s")
         if self.early_stopping.stopped:
             self.tracker.print(f"early stopping: {self.early_stopping.reason}")
@@ -300,6 +339,12 @@ class Run:
             "train_examples": len(self.splits["train"]), "train_examples_used": self.train_examples_used(),
             "val_examples": len(self.splits["validation"]),
             "best_val_acc": max((h["val_acc"] for h in self.history), default=None),
+            "test_macro_f1": test["macro_f1"],
+            "best_val_macro_f1": max((h["val_macro_f1"] for h in self.history), default=None),
+            "label_names": self.inputs.label_names,
+            # per label: support (true), predicted, correct, precision, recall, F1; confusion[true][predicted]
+            "test_per_class": per_class(test["confusion"], self.inputs.label_names),
+            "test_confusion": test["confusion"],
             "best_monitor": self.best.best, "monitor": cfg.monitor, "best_epoch": self.best.best_epoch,
             "epochs_run": len(self.history), "global_steps": book.global_step,
             "stopped_early": stopped_early,
@@ -325,15 +370,39 @@ class Run:
         }
         rate = results["samples_per_s"]
         self.tracker.print(f"test ({tested_on}): loss {test['loss']:.4f} acc {test['acc']:.4f} "
+                           f"macro-F1 {test['macro_f1']:.4f} "
                            f"on {test['n']} reviews | "
                            f"train time {book.train_time_s / 60:.2f} min"
                            + (f" | {rate:.1f} samples/s" if rate is not None else ""))
-        self.tracker.scalars({"test_acc": test["acc"], "test_loss": test["loss"]}, book.global_step, "test/")
+        self.tracker.scalars({"test_acc": test["acc"], "test_loss": test["loss"], "test_macro_f1": test["macro_f1"]},
+                             book.global_step, "test/")
         self.tracker.scalars({f"rank{r}/{k}": v for r, m in enumerate(results["memory_per_rank"])
                               for k, v in m.items()},
                              book.global_step, "memory/")
-        self.tracker.hparams(cfg.to_dict(), {k: results[k] for k in ("test_acc", "test_loss", "best_val_acc",
+        self.tracker.hparams(cfg.to_dict(), {k: results[k] for k in ("test_acc", "test_loss", "test_macro_f1",
+                                                                     "best_val_acc",
                                                                      "train_time_s", "samples_per_s")
                                              if results[k] is not None})
         self.tracker.write_json("results.json", results)
         return results
+
+    # ------------------------------------------------------------------ export
+    def export(self) -> None:
+        """--export-dir: the tested weights as a Hugging Face model folder (weights, config with the
+        label names, tokenizer); `transformers.pipeline("text-classification", model=DIR)` loads it."""
+        from transformers import AutoModelForSequenceClassification
+
+        from fastpt.inputs.models import label_config
+
+        state = self.strategy.model_state_dict()  # a collective where the model is sharded
+        if not self.dist.is_main:
+            return
+        config = self.inputs.model_config
+        labels = label_config(self.inputs.label_names)
+        config.id2label, config.label2id = labels["id2label"], labels["label2id"]
+        model = AutoModelForSequenceClassification.from_config(config)
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        out = Path(self.cfg.export_dir)
+        model.save_pretrained(out)
+        self.inputs.tokenizer.save_pretrained(out)
+        self.tracker.print(f"exported: {out} (transformers.pipeline('text-classification', model=...))")

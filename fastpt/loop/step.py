@@ -30,7 +30,8 @@ def classify(model: torch.nn.Module, batch: dict, max_length: int) -> torch.Tens
     """Logits [reviews, labels]: a padded batch through the Hugging Face model, or a packed one."""
     if is_packed(batch):
         return packed_logits(model, batch, max_seqlen=max_length)
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    extra = {"token_type_ids": batch["token_type_ids"]} if "token_type_ids" in batch else {}  # sentence pairs
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
 
 
 def metric_sums(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

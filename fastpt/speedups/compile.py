@@ -65,7 +65,7 @@ import sys
 import torch
 
 
-TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")  # the tensors whose dim 1 is tokens
+TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # the tensors whose dim 1 is tokens
 
 
 def compile_options(mode: str = "default", dynamic: bool | None = None, fullgraph: bool = False) -> dict:

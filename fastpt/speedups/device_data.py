@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastpt.inputs.data import Collator, TokenizedSplit
+from fastpt.inputs.data import Collator, TokenizedSplit, pair_token_types
 
 
 class DeviceLoader:
@@ -63,8 +63,11 @@ class DeviceLoader:
         mask = positions[None, :] < (self.offsets[idx + 1] - starts)[:, None]
         gather = (starts[:, None] + positions[None, :]).clamp_(max=self.ids.numel() - 1)
         input_ids = torch.where(mask, self.ids[gather], self.pad_id).long()
-        return {"input_ids": input_ids, "attention_mask": mask.long(), "labels": self.labels[idx],
-                "weight": weight, "lengths": lengths, "num_tokens": len(lengths) * width}
+        batch = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": self.labels[idx],
+                 "weight": weight, "lengths": lengths, "num_tokens": len(lengths) * width}
+        if self.collate.sep_id is not None:  # sentence pairs on BERT: segment ids, built here on the device
+            batch["token_type_ids"] = pair_token_types(input_ids, batch["attention_mask"], self.collate.sep_id)
+        return batch
 
     def _packed(self, idx: torch.Tensor, weight: torch.Tensor, lengths: list[int]) -> dict:
         real = sum(lengths)

@@ -1,0 +1,421 @@
+"""Your own data: any text-classification table, read, checked, split, tokenised once and cached.
+
+    python train.py --data reviews.csv --text-column text --label-column label
+
+Sources (`--data`):
+- a file: `.csv`, `.tsv`, `.jsonl` / `.json` (JSON Lines: one object a line) or `.parquet`; one
+  file is the training set, and `--val-data` / `--test-data` name the other splits' files;
+- a folder written by `datasets`' `save_to_disk` (a Dataset, or a DatasetDict with `train` and
+  maybe `validation` / `test` splits);
+- a Hugging Face Hub dataset name (online only; offline it fails at once, like models do).
+
+A split the source does not have is carved from the training set: `--val-fraction` (0.1) and
+`--test-fraction` (0.2) of each label's rows, drawn with `--split-seed` (stratified, so every
+split keeps the label proportions). config.json records the fractions, the seed and where each
+split came from (`data_splits`), so the same command gets the same split.
+
+Labels are integers or strings. Their ids follow the sorted order of the training set's
+distinct labels (numbers numerically, strings alphabetically); integer labels 0..K-1 keep their
+value. A `datasets` ClassLabel column keeps its own ids and names. The names are written to
+config.json and best.pt (`label_names`) and, with --export-dir, the model's id2label.
+
+Bad input stops before anything is written, with one line: a missing column (the line lists
+those there are), an empty file or split, one class only, a validation or test label the
+training set lacks, empty or non-string texts (how many and where), a malformed CSV row (file
+and line).
+
+The tokenised splits are Arrow files (`datasets.save_to_disk`) under a key made of the files'
+content, the columns, the split settings and the tokenizer, built at 512 tokens and cut to a
+shorter --max-length on load, exactly like IMDB's (token_cache.py); sentence pairs are
+tokenised at --max-length itself (truncation shortens the longer text first, which cutting
+later could not reproduce). They load as the same `TokenizedSplit`s, so every technique works
+unchanged. For sentence pairs on models whose tokenizer makes token_type_ids (BERT), the
+padded batches carry them, rebuilt from the [SEP] tokens (data.Collator).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from fastpt.inputs import token_cache
+from fastpt.inputs.imdb import DataError
+
+
+CACHE_VERSION = 1
+FILE_KINDS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+              ".parquet": "parquet"}
+SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
+               "dev": "validation", "test": "test"}
+META = "fastpt_data.json"  # label names and where each split came from, inside the cache folder
+_INTEGER = re.compile(r"^\s*[-+]?\d+\s*$")
+
+
+@dataclass
+class Table:
+    """One split's columns as Python lists, and how to name a row in an error message."""
+    columns: dict
+    where: str  # the file (or "dataset split") it came from
+    lines: Optional[list] = None  # each row's line in the file (CSV, JSON Lines), for messages
+    label_names: Optional[list] = None  # a ClassLabel column's names
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def place(self, i: int) -> str:
+        return f"line {self.lines[i]}" if self.lines else f"row {i + 1}"
+
+    def select(self, idx) -> "Table":
+        idx = list(idx)
+        return Table({k: [v[i] for i in idx] for k, v in self.columns.items()}, self.where,
+                     [self.lines[i] for i in idx] if self.lines else None, self.label_names)
+
+
+# ---------------------------------------------------------------------------- reading
+
+def file_kind(path: Path) -> str:
+    kind = FILE_KINDS.get(path.suffix.lower())
+    if kind is None:
+        raise DataError(f"{path}: unknown file type {path.suffix or '(none)'}; use .csv, .tsv, .jsonl or .parquet")
+    return kind
+
+
+def read_file(path: Path) -> Table:
+    """A .csv / .tsv / .jsonl / .parquet file as a Table; DataError with the file and line if malformed."""
+    kind = file_kind(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        if kind in ("csv", "tsv"):
+            return _read_csv(path, "\t" if kind == "tsv" else ",")
+        if kind == "jsonl":
+            return _read_jsonl(path)
+        import pyarrow.parquet as pq
+        return Table(pq.read_table(path).to_pydict(), str(path))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except DataError:
+        raise
+    except Exception as e:  # pyarrow's errors for a broken Parquet file, OSError
+        raise DataError(f"cannot read {path}: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
+            from None
+
+
+def _read_csv(path: Path, delimiter: str) -> Table:
+    """The csv module, not pandas: it names the exact line of a malformed row and never guesses types."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f, delimiter=delimiter)
+        try:
+            header = next(reader, None)
+            if not header:
+                raise DataError(f"{path} is empty: expected a header line naming the columns")
+            rows, lines = [], []
+            for row in reader:
+                if not row:
+                    continue  # a blank line
+                if len(row) != len(header):
+                    raise DataError(f"{path}: line {reader.line_num}: malformed row: {len(row)} field"
+                                    f"{'' if len(row) == 1 else 's'}, the header has {len(header)} "
+                                    f"(a text with the delimiter needs quotes)")
+                rows.append(row)
+                lines.append(reader.line_num)
+        except csv.Error as e:
+            raise DataError(f"{path}: line {reader.line_num}: malformed CSV: {e}") from None
+    columns = {name: [row[j] for row in rows] for j, name in enumerate(header)}
+    return Table(columns, str(path), lines)
+
+
+def _read_jsonl(path: Path) -> Table:
+    records, lines = [], []
+    with open(path, encoding="utf-8-sig") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {number}: not valid JSON ({e.msg}); expected one object a line") \
+                    from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}: line {number}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+            lines.append(number)
+    names = list(dict.fromkeys(k for r in records for k in r))
+    return Table({name: [r.get(name) for r in records] for name in names}, str(path), lines)
+
+
+def _from_datasets(ds, where: str, label_column: str) -> Table:
+    from datasets import ClassLabel
+
+    feature = ds.features.get(label_column)
+    names = list(feature.names) if isinstance(feature, ClassLabel) else None
+    return Table(ds.to_dict(), where, None, names)
+
+
+def read_source(data: str, label_column: str) -> dict:
+    """{split name: Table} from --data: a file (its training set), a save_to_disk folder or a Hub dataset."""
+    path = Path(data)
+    if path.is_file():
+        return {"train": read_file(path)}
+    import datasets
+
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise DataError(f"--data {data}: not a folder written by datasets' save_to_disk ({e})") from None
+    else:
+        from fastpt.inputs.models import hub_offline
+        if path.suffix.lower() in FILE_KINDS or data.startswith((".", "/", "~")) or data.count("/") > 1:
+            raise DataError(f"--data {data}: no such file or folder")
+        if hub_offline():
+            raise DataError(f"--data {data}: no such file or folder, and offline (no connection to the "
+                            f"Hugging Face Hub) to fetch it as a Hub dataset")
+        try:
+            loaded = datasets.load_dataset(data)
+        except Exception as e:  # the Hub's errors vary by cause
+            raise DataError(f"--data {data}: cannot load it from the Hugging Face Hub: {e}") from None
+    if isinstance(loaded, datasets.Dataset):
+        return {"train": _from_datasets(loaded, data, label_column)}
+    splits = {}
+    for name, ds in loaded.items():
+        if SPLIT_NAMES.get(name) and SPLIT_NAMES[name] not in splits:
+            splits[SPLIT_NAMES[name]] = _from_datasets(ds, f"{data} [{name}]", label_column)
+    if "train" not in splits:
+        raise DataError(f"--data {data} has no train split; its splits: {', '.join(loaded)}")
+    return splits
+
+
+# ---------------------------------------------------------------------------- checks
+
+def check_columns(table: Table, cfg) -> None:
+    for flag, name in (("--text-column", cfg.text_column), ("--text-pair-column", cfg.text_pair_column),
+                       ("--label-column", cfg.label_column)):
+        if name is not None and name not in table.columns:
+            there = ", ".join(table.columns) or "none"
+            raise DataError(f"{table.where} has no column {name!r} ({flag}); its columns: {there}")
+    if len(table) == 0:
+        raise DataError(f"{table.where} has no rows")
+
+
+def check_texts(table: Table, column: str) -> None:
+    """Every text a non-empty string; else how many are not, and the first few places."""
+    bad = [i for i, v in enumerate(table.columns[column]) if not isinstance(v, str) or not v.strip()]
+    if bad:
+        places = ", ".join(table.place(i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        raise DataError(f"{table.where}: {len(bad)} empty or non-string value{'' if len(bad) == 1 else 's'} "
+                        f"in column {column!r} ({places})")
+
+
+def label_values(table: Table, column: str) -> list:
+    """The labels as ints or strings (CSV's "3" is 3 when every label of the file is an integer)."""
+    values = table.columns[column]
+    if table.label_names is not None:
+        return values
+    if table.lines and all(isinstance(v, str) and _INTEGER.match(v) for v in values):  # CSV: all strings
+        return [int(v) for v in values]
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, str) and not v.strip()):
+            raise DataError(f"{table.where}: {table.place(i)}: label {v!r} in column {column!r}; "
+                            f"labels must be integers or non-empty strings")
+    kinds = {type(v) for v in values}
+    if len(kinds) > 1:
+        i = next(i for i, v in enumerate(values) if type(v) is not type(values[0]))
+        raise DataError(f"{table.where}: {table.place(i)}: label {values[i]!r} mixes with {values[0]!r}; "
+                        f"labels must be all integers or all strings")
+    return values
+
+
+# ---------------------------------------------------------------------------- splits
+
+def stratified_split(labels: list, fractions: dict, seed: int) -> dict:
+    """{split: row indices}: each label's rows shuffled with `seed`, the first round(n x fraction) to each split.
+
+    Every split keeps the label proportions (to rounding); the rest is train. Each split's rows
+    are then shuffled, so --train-size N takes a sample of every label, not the file's first rows.
+    """
+    rng = np.random.RandomState(seed)
+    out = {name: [] for name in ("train", *fractions)}
+    by_label: dict = {}
+    for i, label in enumerate(labels):
+        by_label.setdefault(label, []).append(i)
+    for label in sorted(by_label, key=str):
+        rows = np.asarray(by_label[label])[rng.permutation(len(by_label[label]))]
+        start = 0
+        for name, fraction in fractions.items():
+            take = int(math.floor(len(rows) * fraction + 0.5))
+            out[name] += rows[start:start + take].tolist()
+            start += take
+        out["train"] += rows[start:].tolist()
+    return {name: np.asarray(idx, dtype=np.int64)[rng.permutation(len(idx))] for name, idx in out.items()}
+
+
+def gather_splits(cfg) -> tuple[dict, dict]:
+    """{split: Table} for train/validation/test, and where each came from (config.json's data_splits)."""
+    splits = read_source(cfg.data, cfg.label_column)
+    origin = {name: table.where for name, table in splits.items()}
+    for name, path, flag in (("validation", cfg.val_data, "--val-data"), ("test", cfg.test_data, "--test-data")):
+        if path is not None:
+            if name in splits:
+                raise DataError(f"--data {cfg.data} has a {name} split already; drop {flag}")
+            splits[name] = read_file(Path(path))
+            origin[name] = str(path)
+    for table in splits.values():  # whole files first: errors name their lines
+        check_columns(table, cfg)
+        check_texts(table, cfg.text_column)
+        if cfg.text_pair_column:
+            check_texts(table, cfg.text_pair_column)
+    fractions = {}
+    for name, fraction in (("validation", cfg.val_fraction), ("test", cfg.test_fraction)):
+        if name not in splits:
+            fractions[name] = fraction
+    if fractions:
+        train = splits["train"]
+        idx = stratified_split(label_values(train, cfg.label_column), fractions, cfg.split_seed)
+        for name, rows in idx.items():
+            splits[name] = train.select(rows)
+            if name != "train":
+                splits[name].where = f"{train.where} ({name} split)"
+        splits["train"].where = f"{train.where} (train split)" if fractions else train.where
+        for name, fraction in fractions.items():
+            origin[name] = {"from": train.where, "fraction": fraction, "seed": cfg.split_seed, "stratified": True}
+        origin["train"] = {"from": train.where, "rest_after": list(fractions)}
+    for name, flag in (("train", None), ("validation", "--val-fraction"), ("test", "--test-fraction")):
+        if len(splits[name]) == 0:
+            advice = f"; give more rows or a larger {flag}" if name in fractions else ""
+            raise DataError(f"the {name} split is empty ({splits[name].where}){advice}")
+    return splits, origin
+
+
+def label_ids(splits: dict, column: str) -> tuple[dict, list]:
+    """({split: int64 ids}, names): ids in the sorted order of the training labels (see the module doc)."""
+    train = splits["train"]
+    if train.label_names is not None:  # a ClassLabel: its own ids and names
+        names = [str(n) for n in train.label_names]
+        ids = {name: np.asarray(t.columns[column], dtype=np.int64) for name, t in splits.items()}
+        seen = set(ids["train"].tolist())
+        check_classes(len(seen), train)
+        for name, t in splits.items():
+            unseen = sorted(set(ids[name].tolist()) - seen)
+            if unseen:
+                raise DataError(f"{t.where} has label{'s' if len(unseen) > 1 else ''} "
+                                f"{', '.join(names[i] for i in unseen[:5])} that the training set lacks")
+        return ids, names
+    values = {name: label_values(t, column) for name, t in splits.items()}
+    classes = sorted(set(values["train"]))
+    check_classes(len(classes), train)
+    index = {c: i for i, c in enumerate(classes)}
+    for name, t in splits.items():
+        kinds = {type(v) for v in values[name]} | {type(classes[0])}
+        if len(kinds) > 1:
+            raise DataError(f"{t.where} has {'integer' if int in kinds and type(classes[0]) is str else 'string'} "
+                            f"labels, the training set {type(classes[0]).__name__} ones")
+        unseen = sorted(set(values[name]) - set(classes))
+        if unseen:
+            raise DataError(f"{t.where} has label{'s' if len(unseen) > 1 else ''} "
+                            f"{', '.join(map(repr, unseen[:5]))}{', ...' if len(unseen) > 5 else ''} "
+                            f"that the training set lacks (it has {', '.join(map(repr, classes[:10]))})")
+    ids = {name: np.asarray([index[v] for v in values[name]], dtype=np.int64) for name in splits}
+    return ids, [str(c) for c in classes]
+
+
+def check_classes(n: int, train: Table) -> None:
+    if n < 2:
+        raise DataError(f"{train.where} has one class only: a classifier needs at least two labels")
+
+
+# ---------------------------------------------------------------------------- the cache
+
+def _content_fingerprint(source: str) -> str:
+    """The data's identity: every byte of the file(s), or a Hub dataset's name."""
+    h = hashlib.sha256()
+    path = Path(source)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
+    if not files:
+        h.update(f"hub:{source}".encode())
+    for p in files:
+        h.update(f"{p.relative_to(path) if path.is_dir() else ''}:{p.stat().st_size}:".encode())
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_key(cfg, tokenizer) -> str:
+    parts = {
+        "version": CACHE_VERSION,
+        "data": [_content_fingerprint(s) if s else None for s in (cfg.data, cfg.val_data, cfg.test_data)],
+        "columns": [cfg.text_column, cfg.text_pair_column, cfg.label_column],
+        "split": [cfg.val_fraction, cfg.test_fraction, cfg.split_seed],
+        "tokenizer": token_cache._tokenizer_fingerprint(tokenizer),
+        "max_length": built_length(cfg),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def built_length(cfg) -> int:
+    """Single texts: 512, cut on load. Pairs: --max-length (longest-first truncation cannot be redone later)."""
+    return cfg.max_length if cfg.text_pair_column else token_cache.CACHE_MAX_LENGTH
+
+
+def build_cache(cfg, tokenizer, target: Path) -> None:
+    """Read, check, split and tokenise; publish the splits and fastpt_data.json under target atomically."""
+    import datasets
+
+    splits, origin = gather_splits(cfg)
+    ids, names = label_ids(splits, cfg.label_column)
+    length = built_length(cfg)
+    if not cfg.progress:  # --no-progress: no tokenising or saving bars either
+        datasets.disable_progress_bars()
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        tokenized = {}
+        for name in ("train", "validation", "test"):
+            columns = {"text": splits[name].columns[cfg.text_column], "label": ids[name].tolist()}
+            if cfg.text_pair_column:
+                columns["pair"] = splits[name].columns[cfg.text_pair_column]
+
+            def tokenize(batch):
+                return tokenizer(batch["text"], batch.get("pair"), truncation=True, max_length=length)
+
+            tokenized[name] = datasets.Dataset.from_dict(columns).map(
+                tokenize, batched=True, batch_size=1000, desc=f"tokenising {name}",
+                load_from_cache_file=False, keep_in_memory=True).select_columns(["input_ids", "label"])
+        datasets.DatasetDict(tokenized).save_to_disk(str(tmp))
+        (tmp / META).write_text(json.dumps({"label_names": names, "splits": origin}, indent=2))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not token_cache._is_complete(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj], builder: int = 0):
+    """(splits, cache path, label names, where the splits came from): token_cache.prepare_splits for --data."""
+    outcome = None
+    if builds:
+        try:
+            root = token_cache.cache_root(cfg.cache_dir)
+            path = root / f"data-{cache_key(cfg, tokenizer)}"
+            if not token_cache._is_complete(path):
+                token_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
+            outcome = ("ok", str(path))
+        except DataError as e:
+            outcome = ("error", str(e))
+    path = token_cache.agree(gather(outcome), builder)
+    meta = json.loads((path / META).read_text())
+    keep_last = token_cache.ends_with_special_token(tokenizer) and not cfg.text_pair_column
+    return token_cache.load_cache(path, cfg.max_length, keep_last), path, meta["label_names"], meta["splits"]

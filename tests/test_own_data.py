@@ -1,0 +1,298 @@
+"""Your own data (--data): files, splits, labels, metrics, sentence pairs, export, bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fastpt.inputs import own_data
+from fastpt.inputs.data import Collator, pair_token_types
+from fastpt.inputs.models import load_model, load_tokenizer
+from fastpt.loop.config import TrainConfig
+from fastpt.loop.evaluation import macro_f1
+from fastpt.machinery import checkpoint
+from train import main
+
+
+WORDS = {"good": "lovely bright sweet calm".split(), "bad": "broken rotten loud grim".split(),
+         "meh": "usual plain grey round".split()}
+FILLER = "the a box lamp chair spoon table cup".split()
+
+
+def rows(n: int, seed: int = 0, labels=("bad", "good", "meh")) -> list[tuple[str, str]]:
+    """Short made-up sentences whose words give their label away."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        label = labels[i % len(labels)]
+        words = [rng.choice(FILLER) for _ in range(rng.randint(3, 8))] + [rng.choice(WORDS[label])] * 2
+        rng.shuffle(words)
+        out.append((" ".join(words), label))
+    return out
+
+
+def write_csv(path, data, header=("text", "label"), delimiter=","):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, delimiter=delimiter)
+        w.writerow(header)
+        w.writerows(data)
+    return path
+
+
+@pytest.fixture
+def own_args(cache_dir, tmp_path):
+    def args(data, *extra, out=None):
+        return ["--model", "tiny", "--data", str(data), "--cache-dir", str(cache_dir), "--max-length", "24",
+                "--batch-size", "8", "--epochs", "2", "--lr", "2e-3", "--log-every", "5", "--no-progress",
+                "--no-tensorboard", "--out", str(out or tmp_path / "run"), *extra]
+    return args
+
+
+def test_csv_run_metrics_checkpoint_and_export_match_a_pipeline(own_args, tmp_path):
+    from transformers import pipeline
+
+    train = write_csv(tmp_path / "train.csv", rows(150))
+    test_rows = rows(45, seed=1)
+    test = write_csv(tmp_path / "test.csv", test_rows)
+    out, export = tmp_path / "run", tmp_path / "export"
+    assert main(own_args(train, "--test-data", str(test), "--epochs", "3", "--export-dir", str(export))) == 0
+    results = json.loads((out / "results.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    names = ["bad", "good", "meh"]  # sorted
+    assert config["label_names"] == names and results["label_names"] == names
+    assert config["test_fraction"] is None and config["val_fraction"] == 0.1
+    assert results["test_examples"] == 45 and results["val_examples"] == 15 and results["train_examples"] == 135
+    assert all("val_macro_f1" in h for h in results["history"])
+    confusion = np.array(results["test_confusion"])
+    assert confusion.sum() == 45 and confusion.sum(1).tolist() == [15, 15, 15]
+    assert results["test_acc"] == pytest.approx(np.trace(confusion) / 45)
+    assert {k: v["support"] for k, v in results["test_per_class"].items()} == dict.fromkeys(names, 15)
+    best = checkpoint.load(out / "checkpoints" / "best.pt")
+    assert best["config"]["label_names"] == names
+
+    # fastpt's own predictions: best.pt in a plain model, padded batches as the run makes them
+    model = load_model("tiny", True, label_names=names)
+    model.load_state_dict(best["model"])
+    model.eval()
+    tokenizer = load_tokenizer("tiny")
+    texts = [t for t, _ in test_rows]
+    items = [(np.array(tokenizer(t, truncation=True, max_length=24)["input_ids"], dtype=np.int32), 0, 1.0)
+             for t in texts]
+    batch = Collator(0, "longest", 24)(items)
+    with torch.no_grad():
+        ours = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    ours = [names[i] for i in ours.tolist()]
+    assert len(set(ours)) > 1, "a model predicting one class would make this comparison weak"
+
+    classify = pipeline("text-classification", model=str(export), device="cpu")
+    theirs = [p["label"] for p in classify(texts)]
+    assert theirs == ours
+    truth = [label for _, label in test_rows]
+    recomputed = [[sum(t == a and p == b for t, p in zip(truth, theirs)) for b in names] for a in names]
+    assert recomputed == results["test_confusion"]
+    assert results["test_macro_f1"] == pytest.approx(_macro_f1(truth, theirs))
+
+
+def _macro_f1(truth, predicted):
+    """scikit-learn's f1_score(average='macro'), written out: the mean F1 over labels seen or predicted."""
+    f1 = []
+    for label in sorted(set(truth) | set(predicted)):
+        tp = sum(t == p == label for t, p in zip(truth, predicted))
+        fp = sum(p == label != t for t, p in zip(truth, predicted))
+        fn = sum(t == label != p for t, p in zip(truth, predicted))
+        f1.append(2 * tp / (2 * tp + fp + fn))
+    return sum(f1) / len(f1)
+
+
+def test_macro_f1_leaves_out_labels_never_seen_nor_predicted():
+    assert macro_f1([[2, 0, 0], [1, 1, 0], [0, 0, 0]]) == pytest.approx(_macro_f1([0, 0, 1, 1], [0, 0, 0, 1]))
+
+
+def test_carved_split_is_stratified_seeded_and_complete():
+    labels = ["a"] * 50 + ["b"] * 30 + ["c"] * 20
+    split = own_data.stratified_split(labels, {"validation": 0.1, "test": 0.2}, seed=0)
+    assert sorted(np.concatenate(list(split.values())).tolist()) == list(range(100))
+    counts = {name: {c: sum(labels[i] == c for i in idx) for c in "abc"} for name, idx in split.items()}
+    assert counts["validation"] == {"a": 5, "b": 3, "c": 2} and counts["test"] == {"a": 10, "b": 6, "c": 4}
+    again = own_data.stratified_split(labels, {"validation": 0.1, "test": 0.2}, seed=0)
+    other = own_data.stratified_split(labels, {"validation": 0.1, "test": 0.2}, seed=1)
+    assert all(np.array_equal(split[k], again[k]) for k in split)
+    assert not np.array_equal(np.sort(split["test"]), np.sort(other["test"]))
+
+
+def _cfg(data, **kw):
+    return TrainConfig(model="tiny", data=str(data), max_length=24, **kw)
+
+
+def test_every_file_format_gives_the_same_splits(tmp_path, cache_dir):
+    """CSV (integer labels as text), TSV, JSON Lines and Parquet: the same tokens, labels and label names."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = [(t, {"bad": 0, "good": 1, "meh": 2}[label]) for t, label in rows(60)]
+    write_csv(tmp_path / "d.csv", data)
+    write_csv(tmp_path / "d.tsv", data, delimiter="\t")
+    with open(tmp_path / "d.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t, "label": y}) + "\n" for t, y in data)
+    pq.write_table(pa.table({"text": [t for t, _ in data], "label": [y for _, y in data]}), tmp_path / "d.parquet")
+    tokenizer = load_tokenizer("tiny")
+    loaded = []
+    for name in ("d.csv", "d.tsv", "d.jsonl", "d.parquet"):
+        cfg = _cfg(tmp_path / name, cache_dir=str(cache_dir))
+        splits, _, names, origin = own_data.prepare_splits(cfg, tokenizer)
+        assert names == ["0", "1", "2"] and origin["test"]["fraction"] == 0.2
+        loaded.append(splits)
+    for splits in loaded[1:]:
+        for k in ("train", "validation", "test"):
+            assert np.array_equal(splits[k].ids, loaded[0][k].ids)
+            assert np.array_equal(splits[k].labels, loaded[0][k].labels)
+    assert len(loaded[0]["train"]) == 42 and sorted(np.bincount(loaded[0]["test"].labels)) == [4, 4, 4]
+
+
+def test_save_to_disk_folder_with_its_splits_and_class_names(tmp_path, cache_dir):
+    import datasets
+
+    features = datasets.Features({"sentence": datasets.Value("string"),
+                                  "y": datasets.ClassLabel(names=["zeta", "alpha"])})  # ids kept, not sorted
+
+    def split(n, seed):
+        data = rows(n, seed, labels=("bad", "good"))
+        return datasets.Dataset.from_dict({"sentence": [t for t, _ in data],
+                                           "y": [int(label == "good") for _, label in data]}, features=features)
+
+    datasets.DatasetDict({"train": split(40, 0), "validation": split(10, 1), "test": split(12, 2)}).save_to_disk(
+        str(tmp_path / "ds"))
+    cfg = _cfg(tmp_path / "ds", text_column="sentence", label_column="y", cache_dir=str(cache_dir))
+    splits, _, names, origin = own_data.prepare_splits(cfg, load_tokenizer("tiny"))
+    assert names == ["zeta", "alpha"]
+    assert [len(splits[k]) for k in ("train", "validation", "test")] == [40, 10, 12]
+    assert splits["test"].labels.tolist() == [i % 2 for i in range(12)]
+    assert origin["validation"].endswith("[validation]")
+
+
+def test_rebuilt_token_type_ids_equal_the_tokenizers():
+    tokenizer = load_tokenizer("minilm")
+    pairs = [("a short one", "and its partner"), ("word " * 40, "tail " * 30), ("x", "y " * 50)]
+    enc = tokenizer([a for a, _ in pairs], [b for _, b in pairs], truncation=True, max_length=32,
+                    padding=True, return_tensors="pt")
+    assert enc["token_type_ids"].any()
+    assert torch.equal(pair_token_types(enc["input_ids"], enc["attention_mask"], tokenizer.sep_token_id),
+                       enc["token_type_ids"])
+
+
+@pytest.fixture
+def tiny_bert(tmp_path):
+    """A 2-layer BERT with segment embeddings (type_vocab_size 2) and the offline BERT vocabulary."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    folder = tmp_path / "tiny-bert"
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    load_tokenizer("tiny").save_pretrained(folder)
+    return folder
+
+
+def pair_file(tmp_path, n=90):
+    data = rows(n)
+    return write_csv(tmp_path / "pairs.csv", [(t, "first " + t.split()[0], y) for t, y in data],
+                     header=("premise", "hypothesis", "label"))
+
+
+def test_sentence_pairs_train_on_bert_with_token_types_and_pack_is_refused(own_args, tmp_path, tiny_bert, capsys):
+    pairs = pair_file(tmp_path)
+    flags = ["--model", str(tiny_bert), "--text-column", "premise", "--text-pair-column", "hypothesis",
+             "--epochs", "1"]
+    seen = []
+    original = Collator.__call__
+
+    def spy(self, items):
+        batch = original(self, items)
+        seen.append("token_type_ids" in batch and bool(batch["token_type_ids"].any()))
+        return batch
+
+    Collator.__call__ = spy
+    try:
+        assert main(own_args(pairs, *flags)) == 0
+    finally:
+        Collator.__call__ = original
+    assert seen and all(seen)
+    capsys.readouterr()
+    out = tmp_path / "packed"
+    assert main(own_args(pairs, *flags, "--pack", out=out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--pack cannot carry the token_type_ids" in err[0] and not out.exists()
+
+
+def test_sentence_pairs_pack_on_distilbert(own_args, tmp_path):
+    """DistilBERT has no segment embeddings: a pair is one token stream, which packing carries."""
+    pairs = pair_file(tmp_path)
+    assert main(own_args(pairs, "--text-column", "premise", "--text-pair-column", "hypothesis", "--pack",
+                         "--epochs", "1")) == 0
+
+
+def test_monitor_macro_f1_picks_the_best_epoch(own_args, tmp_path):
+    train = write_csv(tmp_path / "train.csv", rows(90))
+    out = tmp_path / "run"
+    assert main(own_args(train, "--monitor", "val_macro_f1", "--epochs", "3")) == 0
+    results = json.loads((out / "results.json").read_text())
+    f1 = [h["val_macro_f1"] for h in results["history"]]
+    assert results["best_epoch"] == f1.index(max(f1)) + 1 and results["best_monitor"] == max(f1)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def _bad(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BAD = {
+    "missing column": (lambda p: write_csv(p / "a.csv", rows(30), header=("sentence", "label")), [],
+                       "has no column 'text' (--text-column); its columns: sentence, label"),
+    "empty file": (lambda p: _bad(p, "a.csv", ""), [], "is empty"),
+    "header only": (lambda p: _bad(p, "a.csv", "text,label\n"), [], "has no rows"),
+    "one class": (lambda p: write_csv(p / "a.csv", rows(30, labels=("good",))), [], "one class only"),
+    "unseen label": (lambda p: write_csv(p / "a.csv", rows(30, labels=("good", "bad"))),
+                     ["--test-data", "{t}"], "has label 'meh' that the training set lacks"),
+    "empty texts": (lambda p: write_csv(p / "a.csv", rows(28) + [("", "good"), ("  ", "bad")]), [],
+                    "2 empty or non-string values in column 'text' (line"),
+    "null text": (lambda p: _bad(p, "a.jsonl", '{"text": "fine", "label": 1}\n{"text": null, "label": 0}\n'), [],
+                  "a.jsonl: 1 empty or non-string value in column 'text' (line 2)"),
+    "malformed row": (lambda p: _bad(p, "a.csv", "text,label\nfine,1\nbad,0,extra\n"), [],
+                      "a.csv: line 3: malformed row: 3 fields, the header has 2"),
+    "bad json": (lambda p: _bad(p, "a.jsonl", '{"text": "x", "label": 1}\n{"text": \n'), [],
+                 "a.jsonl: line 2: not valid JSON"),
+    "fractions": (lambda p: write_csv(p / "a.csv", rows(30)), ["--val-fraction", "0.5", "--test-fraction", "0.5"],
+                  "leaves no training data"),
+    "empty split": (lambda p: write_csv(p / "a.csv", rows(6)), ["--val-fraction", "0.01"],
+                    "the validation split is empty"),
+    "missing file": (lambda p: p / "nope.csv", [], "nope.csv: no such file"),
+    "hub offline": (lambda p: "someone/some-dataset", [], "offline"),
+    "data-dir": (lambda p: write_csv(p / "a.csv", rows(30)), ["--data-dir", "x"], "--data-dir is IMDB's folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, own_args, tmp_path, capsys):
+    make, extra, message = BAD[case]
+    src = tmp_path / "src"
+    src.mkdir()
+    data = make(src)
+    test = write_csv(src / "t.csv", rows(9, seed=3))
+    out = tmp_path / "run"
+    status = main(own_args(data, *[e.format(t=test) for e in extra], out=out))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_without_data_the_own_data_flags_are_refused(tiny_args, capsys):
+    assert main(tiny_args("--label-column", "y")) == 2
+    assert "--label-column needs --data" in capsys.readouterr().err
