@@ -21,6 +21,7 @@ Read these, the lessons:
         data.py            samplers, collators and DataLoaders (workers, pinned memory)
         token_cache.py     IMDB tokenised once, cached, loaded in a second
         imdb.py            the articles' exact 35k/5k/10k split
+        own_data.py        your own table (--data): read, checked, split, tokenised and cached the same way
         models.py          the models and tokenizers, online or offline
 
 Skip these on a first read, the machinery a real run needs:
