@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,8 +57,9 @@ def own_args(cache_dir, tmp_path):
 def test_csv_run_metrics_checkpoint_and_export_match_a_pipeline(own_args, tmp_path):
     from transformers import pipeline
 
-    train = write_csv(tmp_path / "train.csv", rows(150))
-    test_rows = rows(45, seed=1)
+    order = ("meh", "good", "bad")  # first seen in this order: the ids must still follow the sorted one
+    train = write_csv(tmp_path / "train.csv", rows(150, labels=order))
+    test_rows = rows(45, seed=1, labels=order)
     test = write_csv(tmp_path / "test.csv", test_rows)
     out, export = tmp_path / "run", tmp_path / "export"
     assert main(own_args(train, "--test-data", str(test), "--epochs", "3", "--export-dir", str(export))) == 0
@@ -296,3 +298,53 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, own_args, tmp_pat
 def test_without_data_the_own_data_flags_are_refused(tiny_args, capsys):
     assert main(tiny_args("--label-column", "y")) == 2
     assert "--label-column needs --data" in capsys.readouterr().err
+
+
+def test_ddp_confusion_counts_each_test_row_once(tmp_path, cache_dir):
+    """Two gloo ranks, 31 test rows (unequal shares): the all-reduced confusion equals one process's on best.pt."""
+    import os
+    import subprocess
+    import sys
+
+    from fastpt.inputs import data
+    from fastpt.loop.evaluation import evaluate
+    from fastpt.machinery.distributed import DistInfo
+    from fastpt.strategies.base import Strategy
+
+    train = write_csv(tmp_path / "train.csv", rows(120))
+    test = write_csv(tmp_path / "test.csv", rows(31, seed=5))
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
+           "--ddp", "--model", "tiny", "--data", str(train), "--test-data", str(test), "--cache-dir", str(cache_dir),
+           "--max-length", "24", "--batch-size", "4", "--epochs", "2", "--lr", "2e-3", "--no-progress",
+           "--no-tensorboard", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["world_size"] == 2 and results["test_examples"] == 31
+
+    names = results["label_names"]
+    cfg = TrainConfig(model="tiny", data=str(train), test_data=str(test), cache_dir=str(cache_dir), max_length=24,
+                      device="cpu")
+    splits, *_ = own_data.prepare_splits(cfg, load_tokenizer("tiny"))
+    strategy = Strategy(cfg, DistInfo(0, 0, 1, torch.device("cpu")))
+    strategy.setup(load_model("tiny", True, label_names=names))
+    strategy.load_model_state_dict(checkpoint.load(out / "checkpoints" / "best.pt")["model"])
+    loader = data.make_loader(splits["test"], data.EvalBatchSampler(splits["test"], 8, 0, 1),
+                              Collator(0, "longest", 24), 0, False, 0)
+    single = evaluate(strategy, loader, num_labels=len(names))
+    assert single["confusion"] == results["test_confusion"]
+    assert single["macro_f1"] == pytest.approx(results["test_macro_f1"])
+
+
+def test_resume_with_own_data_continues_and_a_changed_column_is_refused(own_args, tmp_path, capsys):
+    train = write_csv(tmp_path / "train.csv", rows(90))
+    out = tmp_path / "run"
+    assert main(own_args(train, "--epochs", "1", "--save-every", "1000", out=out)) == 0
+    assert main(own_args(train, "--epochs", "2", "--resume", "auto", out=out)) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["epochs_run"] == 2 and results["label_names"] == ["bad", "good", "meh"]
+    capsys.readouterr()
+    assert main(own_args(train, "--epochs", "3", "--resume", "auto", "--split-seed", "1", out=out)) == 2
+    assert "--split-seed was 0, now 1" in capsys.readouterr().err
