@@ -224,6 +224,20 @@ def test_sentence_pairs_train_on_bert_with_token_types_and_pack_is_refused(own_a
     finally:
         Collator.__call__ = original
     assert seen and all(seen)
+    from fastpt.speedups import device_data
+    built = []
+    original_types = device_data.pair_token_types
+
+    def spy_device(*args):
+        built.append(original_types(*args))
+        return built[-1]
+
+    device_data.pair_token_types = spy_device
+    try:
+        assert main(own_args(pairs, *flags, "--data-on-device", out=tmp_path / "on-device")) == 0
+    finally:
+        device_data.pair_token_types = original_types
+    assert built and all(t.any() for t in built)
     capsys.readouterr()
     out = tmp_path / "packed"
     assert main(own_args(pairs, *flags, "--pack", out=out)) == 2
@@ -348,3 +362,34 @@ def test_resume_with_own_data_continues_and_a_changed_column_is_refused(own_args
     capsys.readouterr()
     assert main(own_args(train, "--epochs", "3", "--resume", "auto", "--split-seed", "1", out=out)) == 2
     assert "--split-seed was 0, now 1" in capsys.readouterr().err
+
+
+@pytest.fixture
+def encoder_folder(tmp_path):
+    """A tiny random encoder of any architecture in a local folder, with the offline BERT vocabulary."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    def make(kind, **kw):
+        folder = tmp_path / kind
+        config = AutoConfig.for_model(kind, vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, intermediate_size=64, **kw)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+        load_tokenizer("tiny").save_pretrained(folder)
+        return folder
+    return make
+
+
+def test_any_encoder_trains_roberta_packs_and_others_are_refused_pack(own_args, tmp_path, encoder_folder, capsys):
+    train = write_csv(tmp_path / "train.csv", rows(60))
+    # RoBERTa numbers positions from its padding index + 1: 24 tokens need 24 + pad + 1 positions
+    roberta = encoder_folder("roberta", pad_token_id=0, max_position_embeddings=26)
+    for flags in ([], ["--pack"]):
+        assert main(own_args(train, "--model", str(roberta), "--epochs", "1", *flags,
+                             out=tmp_path / f"run-roberta{len(flags)}")) == 0
+    electra = encoder_folder("electra", embedding_size=32)
+    assert main(own_args(train, "--model", str(electra), "--epochs", "1", out=tmp_path / "run-electra")) == 0
+    capsys.readouterr()
+    assert main(own_args(train, "--model", str(electra), "--pack", out=tmp_path / "run-electra-pack")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --pack supports distilbert, bert, roberta models, not electra; drop --pack"]
+    assert not (tmp_path / "run-electra-pack").exists()

@@ -42,7 +42,6 @@ from fastpt.strategies import build_strategy
 
 
 IMDB_LABELS = ("neg", "pos")  # imdb.py: label 1 = the pos/ folder
-PACKED_MODELS = ("distilbert", "bert")  # packing.PackedClassifier's architectures
 WARMUP_STEPS = 3  # left out of throughput: allocator warm-up, compilation, autotuning
 
 
@@ -97,6 +96,8 @@ def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
 
 def check_model_fits(cfg: TrainConfig, model, tokenizer) -> None:
     """What --pack and sentence pairs need of the model, refused before anything is written."""
+    from fastpt.speedups.packing import PACKED_MODELS
+
     kind = model.config.model_type
     if cfg.pack and kind not in PACKED_MODELS:
         raise ValueError(f"--pack supports {', '.join(PACKED_MODELS)} models, not {kind}; drop --pack")

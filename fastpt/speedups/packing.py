@@ -216,8 +216,14 @@ def apply_packed_attention(model: nn.Module) -> nn.Module:
 
 # --------------------------------------------------------------------------- the model
 
+PACKED_MODELS = ("distilbert", "bert", "roberta")  # the architectures PackedClassifier knows the heads of
+
+
 class PackedClassifier(nn.Module):
     """A `...ForSequenceClassification` model run on packed batches.
+
+    RoBERTa-style models number positions from the padding index + 1 (`<pad>` is 1, so the first
+    token sits at position 2): the packed stream's per-review positions are shifted by as much.
 
     It registers the model's own children (`distilbert`, `pre_classifier`, ... or `bert`,
     `dropout`, `classifier`) under their own names, so it shares every parameter with the model
@@ -228,8 +234,9 @@ class PackedClassifier(nn.Module):
 
     def __init__(self, model: nn.Module, kernel: str = "loop"):
         super().__init__()
-        if model.config.model_type not in ("distilbert", "bert"):
-            raise ValueError(f"packed batches support DistilBERT and BERT models, not {model.config.model_type}")
+        if model.config.model_type not in PACKED_MODELS:
+            raise ValueError(f"packed batches support {', '.join(PACKED_MODELS)} models, "
+                             f"not {model.config.model_type}")
         if kernel not in KERNELS:
             raise ValueError(f"unknown packed attention kernel {kernel!r}; choose one of {KERNELS}")
         apply_packed_attention(model)
@@ -240,7 +247,10 @@ class PackedClassifier(nn.Module):
 
     def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         encoder = getattr(self, self.encoder_name)
-        extra = {"token_type_ids": torch.zeros_like(input_ids)} if self.config.model_type == "bert" else {}
+        # An explicit all-zero segment: the models' default buffer is only max_position_embeddings long.
+        extra = {"token_type_ids": torch.zeros_like(input_ids)} if hasattr(self.config, "type_vocab_size") else {}
+        if self.config.model_type == "roberta":
+            position_ids = position_ids + self.config.pad_token_id + 1  # what create_position_ids_from_input_ids gives
         hidden = encoder(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens,
                          max_seqlen=max_seqlen, packed_kernel=self.kernel, **extra).last_hidden_state
         first_tokens = hidden[0].index_select(0, cu_seqlens[:-1])  # [B, hidden]: each review's [CLS]
@@ -250,6 +260,8 @@ class PackedClassifier(nn.Module):
         """The architecture's own classification head, as its forward applies it to token 0."""
         if self.config.model_type == "distilbert":
             x = self.dropout(F.relu(self.pre_classifier(first_tokens)))
+        elif self.config.model_type == "roberta":
+            return self.classifier(first_tokens[:, None])  # RobertaClassificationHead reads token 0 itself
         else:
             pooler = getattr(self, self.encoder_name).pooler  # dense + tanh; it reads [:, 0]
             x = self.dropout(pooler(first_tokens[:, None]))

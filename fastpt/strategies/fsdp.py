@@ -64,6 +64,9 @@ def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         return list(model.distilbert.transformer.layer)
     if hasattr(model, "bert"):
         return list(model.bert.encoder.layer)
+    encoder = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "encoder", None)
+    if hasattr(encoder, "layer"):  # RoBERTa and the other BERT-style encoders
+        return list(encoder.layer)
     raise ValueError(f"--fsdp does not know where the transformer layers of {type(model).__name__} are")
 
 
