@@ -333,7 +333,8 @@ def test_ddp_confusion_counts_each_test_row_once(tmp_path, cache_dir):
            "--max-length", "24", "--batch-size", "4", "--epochs", "2", "--lr", "2e-3", "--no-progress",
            "--no-tensorboard", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["world_size"] == 2 and results["test_examples"] == 31

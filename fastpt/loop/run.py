@@ -341,7 +341,8 @@ class Run:
             "val_examples": len(self.splits["validation"]),
             "best_val_acc": max((h["val_acc"] for h in self.history), default=None),
             "test_macro_f1": test["macro_f1"],
-            "best_val_macro_f1": max((h["val_macro_f1"] for h in self.history), default=None),
+            # (a run resumed from a last.pt of an older fastpt has epochs without it)
+            "best_val_macro_f1": max((h["val_macro_f1"] for h in self.history if "val_macro_f1" in h), default=None),
             "label_names": self.inputs.label_names,
             # per label: support (true), predicted, correct, precision, recall, F1; confusion[true][predicted]
             "test_per_class": per_class(test["confusion"], self.inputs.label_names),
