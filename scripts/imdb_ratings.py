@@ -81,7 +81,7 @@ def main() -> int:
         rows.append((column, k, results["test_acc"], results["test_macro_f1"], count / len(test),
                      (1 / k) * (2 * (count / len(test)) / (1 + count / len(test))), results["test_examples"],
                      results["train_examples"], wall))
-    lines = [f"# IMDB star ratings (4 classes) vs sentiment (2), through `train.py --data`",
+    lines = ["# IMDB star ratings (4 classes) vs sentiment (2), through `train.py --data`",
              "", f"`python scripts/imdb_ratings.py {' '.join(sys.argv[1:])}` on {len(rows)} runs; "
              "the same training, validation and test rows for both tasks (the article's split, first N of each).",
              "", "| task | classes | test acc | test macro-F1 | majority-class acc | majority-class macro-F1 "

@@ -58,8 +58,8 @@ def test_csv_run_metrics_checkpoint_and_export_match_a_pipeline(own_args, tmp_pa
     from transformers import pipeline
 
     order = ("meh", "good", "bad")  # first seen in this order: the ids must still follow the sorted one
-    train = write_csv(tmp_path / "train.csv", rows(150, labels=order))
-    test_rows = rows(45, seed=1, labels=order)
+    train = write_csv(tmp_path / "train.csv", rows(90, labels=order))
+    test_rows = rows(30, seed=1, labels=order)
     test = write_csv(tmp_path / "test.csv", test_rows)
     out, export = tmp_path / "run", tmp_path / "export"
     assert main(own_args(train, "--test-data", str(test), "--epochs", "3", "--export-dir", str(export))) == 0
@@ -68,12 +68,12 @@ def test_csv_run_metrics_checkpoint_and_export_match_a_pipeline(own_args, tmp_pa
     names = ["bad", "good", "meh"]  # sorted
     assert config["label_names"] == names and results["label_names"] == names
     assert config["test_fraction"] is None and config["val_fraction"] == 0.1
-    assert results["test_examples"] == 45 and results["val_examples"] == 15 and results["train_examples"] == 135
+    assert results["test_examples"] == 30 and results["val_examples"] == 9 and results["train_examples"] == 81
     assert all("val_macro_f1" in h for h in results["history"])
     confusion = np.array(results["test_confusion"])
-    assert confusion.sum() == 45 and confusion.sum(1).tolist() == [15, 15, 15]
-    assert results["test_acc"] == pytest.approx(np.trace(confusion) / 45)
-    assert {k: v["support"] for k, v in results["test_per_class"].items()} == dict.fromkeys(names, 15)
+    assert confusion.sum() == 30 and confusion.sum(1).tolist() == [10, 10, 10]
+    assert results["test_acc"] == pytest.approx(np.trace(confusion) / 30)
+    assert {k: v["support"] for k, v in results["test_per_class"].items()} == dict.fromkeys(names, 10)
     best = checkpoint.load(out / "checkpoints" / "best.pt")
     assert best["config"]["label_names"] == names
 
