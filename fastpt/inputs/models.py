@@ -167,7 +167,8 @@ def label_config(label_names: list | None) -> dict:
             "label2id": {name: i for i, name in enumerate(label_names)}}
 
 
-def _from_config(config, attn_implementation: str, labels: dict) -> PreTrainedModel:
+def _from_config(config, attn_implementation: str, labels: dict | None = None) -> PreTrainedModel:
+    labels = labels or label_config(None)
     config.num_labels = labels["num_labels"]
     if "id2label" in labels:
         config.id2label, config.label2id = labels["id2label"], labels["label2id"]
