@@ -43,4 +43,3 @@ def test_packed_roberta_matches_padded_logits_and_gradients(kernel):
     for name, p in reference.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
-
