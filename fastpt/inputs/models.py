@@ -136,9 +136,8 @@ def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa",
     labels = label_config(label_names)
     if name == "tiny":
         return _from_config(tiny_config(), attn_implementation, labels)
+    check_model_source(name, random_init)
     path = str(minilm_dir()) if name == "minilm" else name
-    if _from_hub(path) and not (random_init and name == ARTICLE_MODEL):
-        hub_offline()
     if random_init:
         if name == ARTICLE_MODEL:
             config = distilbert_base_uncased_config()
@@ -148,8 +147,6 @@ def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa",
             except (OSError, ValueError) as e:
                 raise ModelError(f"cannot load a config from {name!r}: {_cause(path, e)}") from None
         return _from_config(config, attn_implementation, labels)
-    if os.path.isdir(path) and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
-        raise ModelError(f"model folder {path} has no weights (*.safetensors or *.bin)")
     try:
         return AutoModelForSequenceClassification.from_pretrained(
             path, attn_implementation=attn_implementation, **labels,
@@ -157,6 +154,21 @@ def load_model(name: str, random_init: bool, attn_implementation: str = "sdpa",
             **({"ignore_mismatched_sizes": True} if label_names is not None else {}))
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {name!r}: {_cause(path, e)}") from None
+
+
+def check_model_source(name: str, random_init: bool) -> None:
+    """What `load_model` would refuse before loading anything (offline Hub, a folder without weights):
+    checked before the data is tokenised, so that such a run stops at once."""
+    if name == "tiny":
+        return
+    path = str(minilm_dir()) if name == "minilm" else name
+    if _from_hub(path) and not (random_init and name == ARTICLE_MODEL) and hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):  # not in the local cache
+            raise ModelError(f"cannot load model {name!r}: {_cause(path, OSError('not cached'))}")
+    if (not random_init and os.path.isdir(path) and not any(Path(path).glob("*.safetensors"))
+            and not any(Path(path).glob("*.bin"))):
+        raise ModelError(f"model folder {path} has no weights (*.safetensors or *.bin)")
 
 
 def label_config(label_names: list | None) -> dict:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fastpt.inputs import data, own_data
-from fastpt.inputs.models import check_max_length, count_parameters, load_model, load_tokenizer
+from fastpt.inputs.models import check_max_length, check_model_source, count_parameters, load_model, load_tokenizer
 from fastpt.inputs.token_cache import cache_root, prepare_splits
 from fastpt.loop.config import TrainConfig
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
@@ -72,6 +72,7 @@ def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
     """Tokenizer, model and data: everything bad input can break."""
     tokenizer = load_tokenizer(cfg.model)
     check_max_length(tokenizer, cfg.max_length)
+    check_model_source(cfg.model, cfg.random_init)  # the model loads after the data (its labels): fail first
     # Each node's first process builds or reads the cache in its own --cache-dir (nodes need not share a disk).
     shared = dict(builds=dist.local_rank == 0, gather=distributed.all_gather_object,
                   builder=distributed.node_first_rank(dist))
