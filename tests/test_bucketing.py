@@ -122,6 +122,7 @@ def real_data_dir() -> Path | None:
     return None
 
 
+@pytest.mark.slow  # tokenises all 50,000 reviews once in a new cache (about a minute)
 @pytest.mark.realdata
 @pytest.mark.skipif(real_data_dir() is None, reason="real IMDB data not found (set FASTPT_DATA_DIR)")
 def test_real_imdb_padding_efficiency():

@@ -163,6 +163,7 @@ def test_bucket_accuracy_report_pairs_each_seed_with_its_own_plain_run():
     assert _row(md, "`--bucket --bucket-multiplier 50`")[3] == "-1.00 (-1.00)"
 
 
+@pytest.mark.slow
 def test_bucket_accuracy_smoke_trains_both_batchings_on_the_same_seed(imdb_dir, cache_dir, tmp_path):
     report = tmp_path / "bucket.md"
     cmd = [sys.executable, "scripts/bucket_accuracy.py", "--preset", "smoke", "--seeds", "5", "--multipliers", "4",
