@@ -31,6 +31,7 @@ from fastpt.loop.config import TrainConfig
 from fastpt.machinery import resize
 from fastpt.machinery.checkpoint import CheckpointError, load
 from train import main as train_main
+from test_distributed import results, step_losses  # the same readers of a run folder
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,17 +212,6 @@ def steps_trained(out: Path) -> list[list[int]]:
         for record in rank:
             steps.setdefault(record["step_batch"], []).extend(record["indices"])
     return [sorted(steps[k]) for k in sorted(steps)]
-
-
-def step_losses(out: Path) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
-    events.Reload()
-    return [e.value for e in events.Scalars("train/loss")]
-
-
-def results(out: Path) -> dict:
-    return json.loads((out / "results.json").read_text())
 
 
 @pytest.mark.slow  # three torchrun launches (2, 1 and 4 processes), 12 tiny runs: minutes on 2 busy cores
