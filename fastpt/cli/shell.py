@@ -294,9 +294,3 @@ def _lost_contact(e: Exception, rank: int, cfg: TrainConfig) -> int:
           f"--dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); with --save-every, the same command "
           f"with --resume auto continues from checkpoints/last.pt", file=sys.stderr)
     return EXIT_FAILED
-
-
-def _bad_input(e: Exception, is_main: bool = True) -> int:
-    if is_main:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-    return EXIT_BAD_INPUT
