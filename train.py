@@ -12,9 +12,7 @@ the best weights. Every line leads to one place in fastpt/ (fastpt/__init__.py i
 optimizer step). `main` is the command line around it: flags, the run folder, exit statuses.
 """
 
-import sys
-
-from fastpt.cli.shell import CommandLine
+from fastpt.cli.shell import CommandLine, exit_process
 
 
 def train(cfg, dist, inputs, out_dir, resume_state=None) -> dict:
@@ -60,8 +58,8 @@ def main(argv=None) -> int:
 
 def cli() -> None:
     """The `fastpt-train` command and `python -m fastpt`."""
-    sys.exit(main())
+    exit_process(main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # sys.exit; a torchrun worker skips the interpreter's teardown (gloo can abort it)

@@ -139,5 +139,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        sys.exit(worker(sys.argv[2], sys.argv[4:]))
+        from train import exit_process
+        exit_process(worker(sys.argv[2], sys.argv[4:]))
     main()

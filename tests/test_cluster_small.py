@@ -267,7 +267,7 @@ def test_deepspeed_is_quiet_on_every_rank_without_verbose(imdb_dir, cache_dir, t
         "    print('DeepSpeed deepspeed.ops.comm.shm_comm_op built successfully')\n"
         "importlib.import_module('deepspeed.comm.torch').build_shm_op = build_shm_op\n"
         "import train\n"
-        "sys.exit(train.main())\n")
+        "train.exit_process(train.main())\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            str(driver), "--deepspeed",
            *base_args(imdb_dir, cache_dir, "--train-size", "32", "--batch-size", "8", "--epochs", "1",
@@ -283,3 +283,24 @@ def test_deepspeed_is_quiet_on_every_rank_without_verbose(imdb_dir, cache_dir, t
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     both = out + err
     assert "built successfully" not in both and "FutureWarning" not in both, both[-3000:]
+
+
+@pytest.mark.parametrize("under_torchrun", [True, False])
+def test_a_torchrun_worker_leaves_without_the_interpreters_teardown(under_torchrun, tmp_path):
+    # A gloo group that outlives destroy_process_group can abort the teardown (scripts/gloo_exit_race.py):
+    # a torchrun worker skips it (no atexit handler runs) with train.py's status; any other process exits normally.
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import atexit, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import torch.distributed\n"
+        "from train import exit_process\n"
+        "atexit.register(lambda: print('teardown', flush=True))\n"
+        "print('results written')\n"
+        "exit_process(3)\n")
+    variables = {"RANK": "0", "WORLD_SIZE": "2"}
+    environment = {k: v for k, v in env().items() if k not in variables}
+    proc = subprocess.run([sys.executable, str(script)], env={**environment, **(variables if under_torchrun else {})},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.splitlines() == (["results written"] if under_torchrun else ["results written", "teardown"])

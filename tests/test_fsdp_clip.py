@@ -38,7 +38,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from fastpt.loop.config import TrainConfig
-    from fastpt.machinery.distributed import DistInfo
+    from fastpt.machinery.distributed import DistInfo, leave
     from fastpt.strategies.fsdp import FSDPStrategy
 
     dist.init_process_group("gloo")
@@ -67,8 +67,12 @@ def main() -> None:
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         assert isinstance(p.grad, DTensor)
         torch.testing.assert_close(p.grad.full_tensor(), ref.grad, msg=name)
-    print(f"clipped {rank} norm {norm.item():.6f} reference {full_norm.item():.6f}", flush=True)
+    # One write per line: under PYTHONUNBUFFERED, print's text and newline are two writes, and the
+    # two ranks' lines, sharing torchrun's stdout, could interleave.
+    sys.stdout.write(f"clipped {rank} norm {norm.item():.6f} reference {full_norm.item():.6f}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
+    leave(0)  # os._exit: FSDP's mesh still holds the group, whose gloo threads could abort the teardown
 
 
 if __name__ == "__main__":

@@ -389,4 +389,8 @@ if __name__ == "__main__":
             jobs.append([])
         else:
             jobs[-1].append(arg)
-    sys.exit(run_jobs([job for job in jobs if job]))
+    status = run_jobs([job for job in jobs if job])
+    sys.path.insert(0, str(ROOT))
+    from fastpt.machinery.distributed import leave
+    leave(status)  # os._exit: the scripts' models still hold the group, whose gloo threads can abort the teardown
+    sys.exit(status)

@@ -288,9 +288,18 @@ class CommandLine:
                 distributed.shutdown()
 
 
+def exit_process(status: int) -> None:
+    """sys.exit(status); a torchrun worker leaves with os._exit instead (distributed.leave says why)."""
+    if "torch.distributed" in sys.modules:  # --help and a bad flag never load torch
+        from fastpt.machinery import distributed
+        distributed.leave(status)
+    sys.exit(status)
+
+
 def _lost_contact(e: Exception, rank: int, cfg: TrainConfig) -> int:
     """One line from every rank that saw it (rank 0 may be the one that died): status 1."""
-    print(f"error: rank {rank} lost contact with the other processes: another one died, or did not answer within "
-          f"--dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); with --save-every, the same command "
-          f"with --resume auto continues from checkpoints/last.pt", file=sys.stderr)
+    # One write (print would write the text and its newline apart): every rank's line shares one stderr.
+    sys.stderr.write(f"error: rank {rank} lost contact with the other processes: another one died, or did not answer "
+                     f"within --dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); with --save-every, the "
+                     f"same command with --resume auto continues from checkpoints/last.pt\n")
     return EXIT_FAILED

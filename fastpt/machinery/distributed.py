@@ -133,6 +133,26 @@ def shutdown() -> None:
         os.environ.pop(_ONE_RANK_VARIABLES.pop(), None)
 
 
+def leave(status: int) -> None:
+    """End a torchrun worker with `status` now, skipping the interpreter's teardown; else return.
+
+    `destroy_process_group()` unregisters a group, but the group object lives on while anything
+    still refers to it (a DDP module, FSDP's device mesh, DeepSpeed's groups), and its gloo worker
+    threads are joined only when it is freed. A worker thread that drops a finished collective's
+    tensors just after the interpreter has begun to shut down aborts the whole process ("terminate
+    called without an active exception", SIGABRT): torchrun then reports a finished run as failed,
+    or restarts it under --max-restarts. `scripts/gloo_exit_race.py` (two ranks, a module-level
+    reference to the group): 7 of 40 launches aborted leaving by sys.exit, none of 40 by `leave`,
+    which calls `os._exit` once the results are written and the streams flushed. Only a process
+    torchrun started leaves this way: one that trains in-process (a notebook, a test) returns.
+    """
+    if not launched_by_torchrun():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import run_many  # noqa: E402
 
 import train  # noqa: E402
+from fastpt.cli.shell import exit_process  # noqa: E402
 from fastpt.inputs import data, models  # noqa: E402
 from fastpt.loop import step  # noqa: E402
 from fastpt.machinery import distributed  # noqa: E402
@@ -73,9 +74,10 @@ def main(argv: list[str]) -> int:
             codes.append(train.main(args[2:] if args[0] == "--stop-at" else args))
     finally:
         shutdown()
-    print("EXITS " + json.dumps(codes), flush=True)
+    sys.stdout.write("EXITS " + json.dumps(codes) + "\n")  # one write: the ranks' lines share a pipe
+    sys.stdout.flush()
     return 0 if all(code in (0, 3) for code in codes) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train  # noqa: E402
+from fastpt.cli.shell import exit_process  # noqa: E402
 from fastpt.inputs import models  # noqa: E402
 from fastpt.machinery import distributed  # noqa: E402
 
@@ -75,8 +76,11 @@ def main(argv: list[str]) -> int:
     try:
         for args in runs:
             code = train.main(args)
-            print("EXIT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "exit": code, "args": args}),
-                  flush=True)
+            # One write per line: under PYTHONUNBUFFERED print writes the text and its newline separately,
+            # and the ranks' lines, sharing one pipe, could interleave.
+            sys.stdout.write("EXIT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "exit": code,
+                                                   "args": args}) + "\n")
+            sys.stdout.flush()
             worst = worst or code
     finally:
         shutdown()
@@ -84,4 +88,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

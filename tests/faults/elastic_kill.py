@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 from inject import at_step  # noqa: E402
 
 from fastpt.inputs import models  # noqa: E402
-from train import main  # noqa: E402
+from train import exit_process, main  # noqa: E402
 
 
 if __name__ == "__main__":
@@ -40,4 +40,4 @@ if __name__ == "__main__":
             at_step(step, lambda: time.sleep(seconds))
         else:
             at_step(step, lambda: os.kill(os.getpid(), signal.SIGKILL))
-    sys.exit(main(sys.argv[split + 1:]))
+    exit_process(main(sys.argv[split + 1:]))

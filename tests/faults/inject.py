@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from fastpt.machinery import checkpoint  # noqa: E402
 from fastpt.strategies.base import Strategy  # noqa: E402
-from train import main  # noqa: E402
+from train import exit_process, main  # noqa: E402
 
 
 def at_step(k: int, action) -> None:
@@ -95,4 +95,4 @@ def main_with_fault(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_with_fault(sys.argv[1:]))
+    exit_process(main_with_fault(sys.argv[1:]))
