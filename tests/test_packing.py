@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForSequenceClassification, BertConfig, DistilBertConfig
 
 from fastpt.inputs.data import Collator
+from fastpt.speedups import packing
 from fastpt.speedups.compile import mark_token_dim_dynamic
 from fastpt.speedups.packing import (PackedClassifier, PackedCollator, apply_packed_attention, is_packed,
                                      packed_attention_kernel, packed_logits, unwrap)
@@ -149,7 +150,7 @@ def test_packed_logits_wants_a_packed_classifier_and_kernel_choice():
     with pytest.raises(ValueError, match="kernel"):
         PackedClassifier(tiny_model("bert"), "flash")
     assert packed_attention_kernel("cpu", compiled=False) == "loop"
-    assert packed_attention_kernel("cpu", compiled=True) == "mask"
+    assert packed_attention_kernel("cpu", compiled=True) == "loop"
     assert packed_attention_kernel("cuda", compiled=True, low_precision=False) == "mask"
 
 
@@ -206,10 +207,13 @@ def test_varlen_kernel_on_cuda_matches_the_mask_kernel(kind):
 
 # --------------------------------------------------------------------------- torch.compile
 
-@pytest.mark.parametrize("kind", ["distilbert", "bert"])
-def test_compiled_packed_matches_eager_with_one_graph_for_all_lengths(kind):
+@pytest.mark.parametrize("kind,kernel", [("distilbert", "mask"), ("bert", "mask"), ("distilbert", "loop"),
+                                         ("bert", "loop")])
+def test_compiled_packed_matches_eager_with_one_graph_for_all_lengths(kind, kernel):
+    # The loop kernel's host read and data-dependent split are inside one custom operator: the
+    # compiler sees an op of the query's shape, so fullgraph holds and one graph serves every length.
     torch._dynamo.reset()
-    eager = PackedClassifier(tiny_model(kind), "mask").eval()
+    eager = PackedClassifier(tiny_model(kind), kernel).eval()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(copy.deepcopy(eager), backend=counter, fullgraph=True)
     for step in range(20):
@@ -285,10 +289,13 @@ def test_mask_kernel_runs_without_data():
     run_on_meta("mask")
 
 
-def test_loop_kernel_reads_the_offsets():
-    """It cuts the stream at offsets known on the host (one sync per layer on a GPU)."""
+def test_loop_kernel_reads_the_offsets_only_inside_its_operator():
+    """It cuts the stream at offsets read on the host (one sync per layer on a GPU), inside a custom
+    operator whose shape rule needs no data: that is what lets a compiled graph hold it."""
+    run_on_meta("loop")
     with pytest.raises(NotImplementedError, match="meta"):
-        run_on_meta("loop")
+        packing._attend_each_review(*(torch.empty(1, 2, 8, 4, device="meta") for _ in range(3)),
+                                    torch.tensor([0, 3, 8], device="meta"), 0.5)
 
 
 # --------------------------------------------------------------------------- checkpoints

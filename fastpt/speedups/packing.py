@@ -32,11 +32,12 @@ The attention kernels (`KERNELS`), all exact; `packed_attention_kernel` picks on
   fp16/bf16 only). Reads nothing back to the host. It writes outputs and gradients only for rows
   inside a sequence, so the rounding tail goes in as one more sequence, no longer than
   `max_seqlen`: hence `--pack-multiple` <= `--max-length`.
-- "loop": plain SDPA on each review in turn. Reads `cu_seqlens` to the host (one sync per
-  layer on a GPU, nothing on a CPU). The fastest CPU kernel by far, so the CPU's eager choice.
+- "loop": plain SDPA on each review in turn, inside one custom operator (`attend_each_review`)
+  that torch.compile treats as opaque. Reads `cu_seqlens` to the host (one sync per layer on a
+  GPU, nothing on a CPU). The fastest CPU kernel by far, so the CPU's choice, eager and compiled.
 - "mask": SDPA on the whole stream with a block-diagonal mask built on the device from
-  `cu_seqlens`. O(T^2) work and memory, but no host read and no data-dependent shape, so it is
-  what a CPU graph compiled with `fullgraph=True` uses.
+  `cu_seqlens`. O(T^2) work and memory, but no host read and no data-dependent shape: a CUDA
+  graph compiled in fp32 (where varlen has no kernel) uses it.
 Measured on an idle 2-core AMD EPYC (`python scripts/packing_kernels.py`): one attention call,
 forward + backward, fp32, 12 heads of 32, 12 reviews of IMDB-like lengths (mean 266, longest
 501): loop 51 ms, mask 0.49 s (3,198^2 scores per head), padded to 512 with a mask 0.18 s. SDPA
@@ -122,14 +123,61 @@ def _segment_edges(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
     return edges + [num_tokens] if edges[-1] < num_tokens else edges
 
 
-def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+def _attend_each_review(query, key, value, cu_seqlens, scaling):
     edges = _segment_edges(cu_seqlens, query.shape[2])
     sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
     # split, not slicing: the backward of B slices would write B full-size zero tensors and add
     # them up; split's backward is one concatenation.
     out = [F.scaled_dot_product_attention(q, k, v, scale=scaling)
            for q, k, v in zip(*(x.split(sizes, dim=2) for x in (query, key, value)))]
-    return torch.cat(out, dim=2).transpose(1, 2)
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+
+
+# The loop is one custom operator, opaque to torch.compile: the compiler sees an op whose output
+# has the query's shape, not the host read and the data-dependent split inside it, so a graph
+# compiled with fullgraph=True keeps the per-review loop (one graph for every length) instead of
+# the mask kernel's T x T scores. Its backward runs the loop again under autograd (a second
+# attention forward: a small share of a step next to the layers' matmuls).
+@torch.library.custom_op("fastpt::attend_each_review", mutates_args=())
+def attend_each_review(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    return _attend_each_review(query, key, value, cu_seqlens, scaling)
+
+
+@attend_each_review.register_fake
+def _(query, key, value, cu_seqlens, scaling):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+@torch.library.custom_op("fastpt::attend_each_review_backward", mutates_args=())
+def attend_each_review_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                cu_seqlens: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    # torch.func.vjp, not torch.autograd: autograd records nothing inside a custom operator.
+    _, pullback = torch.func.vjp(lambda q, k, v: _attend_each_review(q, k, v, cu_seqlens, scaling), query, key, value)
+    return tuple(g.contiguous() for g in pullback(grad))  # the strides the shape rule below promises
+
+
+@attend_each_review_backward.register_fake
+def _(grad, query, key, value, cu_seqlens, scaling):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _save_inputs(ctx, inputs, output):
+    query, key, value, cu_seqlens, ctx.scaling = inputs
+    ctx.save_for_backward(query, key, value, cu_seqlens)
+
+
+def _backward(ctx, grad):
+    return *attend_each_review_backward(grad, *ctx.saved_tensors, ctx.scaling), None, None
+
+
+attend_each_review.register_autograd(_backward, setup_context=_save_inputs)
+
+
+def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+    scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    return attend_each_review(query, key, value, cu_seqlens, scaling)
 
 
 def _mask_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
@@ -182,11 +230,12 @@ _KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention, "mask
 
 
 def packed_attention_kernel(device_type: str, compiled: bool, low_precision: bool = True) -> str:
-    """The kernel to use: FlashAttention's varlen on CUDA in fp16/bf16; on a CPU (or CUDA in
-    fp32) the per-review loop in eager mode and the block-diagonal mask under torch.compile."""
+    """The kernel to use: FlashAttention's varlen on CUDA in fp16/bf16; the per-review loop on a
+    CPU, eager or compiled; on CUDA in fp32, the loop in eager mode and the block-diagonal mask
+    under torch.compile (the loop's host read would stall a compiled step and break CUDA graphs)."""
     if device_type == "cuda" and low_precision and "cu_seq_q" in _VARLEN_OPTIONS:
         return "varlen"
-    return "mask" if compiled else "loop"
+    return "mask" if compiled and device_type == "cuda" else "loop"
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
