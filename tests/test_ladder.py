@@ -391,6 +391,5 @@ if __name__ == "__main__":
             jobs[-1].append(arg)
     status = run_jobs([job for job in jobs if job])
     sys.path.insert(0, str(ROOT))
-    from fastpt.machinery.distributed import leave
-    leave(status)  # os._exit: the scripts' models still hold the group, whose gloo threads can abort the teardown
-    sys.exit(status)
+    from fastpt.cli.shell import exit_process
+    exit_process(status)  # os._exit: the scripts' models still hold the group, whose gloo threads can abort exit
