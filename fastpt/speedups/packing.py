@@ -136,8 +136,8 @@ def _attend_each_review(query, key, value, cu_seqlens, scaling):
 # The loop is one custom operator, opaque to torch.compile: the compiler sees an op whose output
 # has the query's shape, not the host read and the data-dependent split inside it, so a graph
 # compiled with fullgraph=True keeps the per-review loop (one graph for every length) instead of
-# the mask kernel's T x T scores. Its backward runs the loop again under autograd (a second
-# attention forward: a small share of a step next to the layers' matmuls).
+# the mask kernel's T x T scores. Its backward runs the loop again through torch.func.vjp (a
+# second attention forward: a small share of a step next to the layers' matmuls).
 @torch.library.custom_op("fastpt::attend_each_review", mutates_args=())
 def attend_each_review(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                        scaling: float) -> torch.Tensor:
