@@ -142,6 +142,8 @@ CASES = [
     ("compile on an unsupported Python", ["--compile"], _python_without_dynamo, "--compile is not supported", "{out}"),
     ("cuda without a GPU", ["--device", "cuda"], None, "no CUDA device is available", "{out}"),
     ("zero batch size", ["--batch-size", "0"], None, "--batch-size must be positive, got 0", "{out}"),
+    ("thousands of loader workers", ["--num-workers", "100000"], None,
+     "--num-workers 100000 is more than this machine can use: at most", "{out}"),
     ("negative max length", ["--max-length", "-8"], None, "--max-length must be positive, got -8", "{out}"),
     ("max length over 512", ["--max-length", "1024"], None, "exceeds the 512 positions", "{out}"),
     ("zero epochs", ["--epochs", "0"], None, "--epochs must be positive, got 0", "{out}"),

@@ -204,3 +204,21 @@ def test_tensorboard_layout_and_applicable_hparams(tmp_path):
     charts = {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
     assert charts == {"loss": ["train/loss", "epoch/train_loss", "epoch/val_loss"],
                       "accuracy": ["epoch/train_acc", "epoch/val_acc"]}
+
+
+@pytest.mark.parametrize("capability,avx512_bf16,amx,native", [
+    ("AVX2", True, True, False),  # torch's kernels are the AVX2 ones: bfloat16 is emulated whatever the flags
+    ("AVX512", False, False, False),
+    ("AVX512", True, False, True),
+    ("AMX", False, True, True),
+], ids=["avx2", "avx512-no-bf16", "avx512-bf16", "amx"])
+def test_native_bfloat16_is_decided_by_the_cpu_capability(monkeypatch, capability, avx512_bf16, amx, native):
+    """Either answer on any machine: the capability is forced, not read from the CPU the suite runs on."""
+    import torch
+
+    from fastpt.cli.shell import cpu_has_native_bfloat16
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert cpu_has_native_bfloat16() is native

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(
         description="Fine-tune DistilBERT on IMDB in plain PyTorch, with every speed-up behind a flag.",
         formatter_class=_DefaultsFormatter,
+        allow_abbrev=False,  # no prefixes: a new flag must never change what an abbreviation meant
     )
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=d.model,
@@ -94,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--early-stopping-patience", type=int, default=None, help="validation checks without improvement")
     g.add_argument("--min-delta", type=float, default=None,
                    help=f"smallest change that counts as an improvement (default: {d.min_delta})")
-    g.add_argument("--monitor", default=d.monitor, choices=CHOICES["monitor"],
-                   help="validation metric for best.pt and early stopping")
+    g.add_argument("--monitor-metric", "--monitor", dest="monitor", default=d.monitor, choices=CHOICES["monitor"],
+                   help="validation metric for best.pt and early stopping (--monitor, Lightning's name, works "
+                        "outside torchrun only: torchrun's own parser takes it for its --monitor-interval)")
     g.add_argument("--test-on", default=d.test_on, choices=CHOICES["test_on"],
                    help="weights the test split is scored with")
 

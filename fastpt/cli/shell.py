@@ -14,9 +14,9 @@ order: train.py calls it, in this order,
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
 stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT after writing
 checkpoints/last.pt; 1 the run failed (e.g. the loss became NaN, the disk is full; earlier
-checkpoints are left untouched); 130 Ctrl-C before training started (nothing written, no run
-folder left). Under torchrun every rank returns the same status and only rank 0 prints,
-except that each rank that lost contact with the others (--dist-timeout) says so: status 1.
+checkpoints are left untouched); 130 Ctrl-C, 143 SIGTERM before training started (what the new
+run wrote removed, no run folder left; a resumed run's checkpoints as they were). Under torchrun
+every rank returns the same status and only rank 0 prints, except that each rank that lost contact with the others (--dist-timeout) says so: status 1.
 
 The order matters for "nothing written on bad input": every check that can fail on what the
 user passed (flags, environment, output places, the run folder, the resume checkpoint, the
@@ -32,6 +32,8 @@ import contextlib
 import importlib.util
 import os
 import shlex
+import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -45,6 +47,7 @@ from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, M
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for a command stopped by Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM, likewise for a `kill` before training started
 
 
 # ---------------------------------------------------------------------------- checks before any work
@@ -239,8 +242,13 @@ class CommandLine:
     @contextlib.contextmanager
     def exit_status(self):
         """Runs the command's body; whatever stops it becomes one line on stderr and `self.status`."""
+        from fastpt.machinery.signals import interrupt_on_signals
+
         is_main = os.environ.get("RANK", "0") == "0"  # torchrun's rank, until the group exists
+        stack = contextlib.ExitStack()
         try:
+            # Until the loop installs its graceful stop, SIGTERM and SIGINT stop the command at once.
+            stack.enter_context(interrupt_on_signals())
             yield self
             if self.dist.is_main:
                 print(f"outputs: {shlex.quote(str(self.plan.out.resolve()))}")
@@ -268,12 +276,15 @@ class CommandLine:
                 below_bar = "\n" if self.cfg.progress else ""  # a line of its own, not glued to the bar
                 print(f"{below_bar}stopped: {e}", file=sys.stderr)
             self.status = EXIT_STOPPED
-        except KeyboardInterrupt:  # Ctrl-C while tokenising, say: nothing written yet, so nothing left behind
-            if self.started:
-                raise
+        except KeyboardInterrupt as e:  # SIGINT / SIGTERM while tokenising or building: nothing left behind
+            from fastpt.machinery.signals import Interrupted
+            if self.started and not isinstance(e, Interrupted):
+                raise  # a plain KeyboardInterrupt after training: Python's own behaviour
+            kept = self._unstart() if self.started else "nothing was kept"
             if self.dist.is_main if self.dist else is_main:
-                print("\nstopped: interrupted before training started; nothing was written", file=sys.stderr)
-            self.status = EXIT_INTERRUPTED
+                print(f"\nstopped: {getattr(e, 'name', 'interrupted')} before training started; {kept}",
+                      file=sys.stderr)
+            self.status = 128 + getattr(e, "signum", signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
         except RuntimeError as e:  # a rank missing or dead: the group did not form, or a collective timed out
             from fastpt.machinery import distributed
             if not distributed.lost_contact(e):
@@ -281,11 +292,32 @@ class CommandLine:
             self.status = _lost_contact(e, self.dist.rank if self.dist else int(os.environ.get("RANK", 0)),
                                         self.cfg)
         finally:
+            stack.close()
             if self.lock is not None:
-                self.lock.release(keep=self.status not in (EXIT_BAD_INPUT, EXIT_INTERRUPTED))
+                self.lock.release(keep=self.status not in (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED)
+                                  or self.plan is not None and self.plan.resume_state is not None)
             if self.dist is not None:
                 from fastpt.machinery import distributed
                 distributed.shutdown()
+
+
+    def _unstart(self) -> str:
+        """A stop after config.json but before training: remove what this new run wrote (rank 0).
+
+        A resumed run's folder held the run before this command and keeps it."""
+        if self.plan.resume_state is not None:
+            return f"the checkpoints in {self.plan.out} are as they were: --resume auto continues it"
+        if self.dist.is_main:
+            out = self.plan.out
+            for name in ("config.json", "tb"):
+                path = out / name
+                if path.is_symlink() or path.is_file():
+                    path.unlink()
+                elif path.is_dir():
+                    shutil.rmtree(path)
+            with contextlib.suppress(OSError):
+                (out / "checkpoints").rmdir()  # empty before the first step
+        return "nothing was kept"
 
 
 def exit_process(status: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -165,6 +166,10 @@ class TrainConfig:
             raise ValueError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
         if self.num_workers is not None and self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.num_workers is not None and self.num_workers > max_workers():
+            # Each worker is a process with its own copy of the loader's state: thousands exhaust the machine.
+            raise ValueError(f"--num-workers {self.num_workers} is more than this machine can use: at most "
+                             f"{max_workers()} (4 per core, {usable_cores()} cores)")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{_flag(name)} must be one of {', '.join(map(str, allowed))}; "
@@ -232,5 +237,19 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def max_workers() -> int:
+    """The most DataLoader workers --num-workers takes: 4 per core, at least 8."""
+    return max(8, 4 * usable_cores())
+
+
+# Settings whose flag is not their name: torchrun's own parser reads every option before the
+# script's name, and `--monitor` is ambiguous there (`--monitor-interval`, tests/test_torchrun_flags.py).
+FLAG_NAMES = {"monitor": "monitor-metric"}
+
+
 def _flag(name: str) -> str:
-    return name.replace("_", "-")
+    return FLAG_NAMES.get(name, name.replace("_", "-"))

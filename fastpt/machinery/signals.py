@@ -7,15 +7,61 @@ checkpoints are written atomically, so even then no half-written file is left in
 
 Under torchrun every rank receives the signal; the flag is combined across ranks on a small
 gloo group (host memory, no GPU synchronisation) so all ranks stop after the same step.
+
+Before training starts (model loading, tokenising, building) there is no step to finish:
+`interrupt_on_signals` makes SIGTERM, like SIGINT, raise `Interrupted` at once, so the command
+removes what it created and says so (cli/shell.py) instead of dying silently with its lock left.
+No torch import here: the command line installs this before torch loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 
-import torch
-import torch.distributed as dist
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT before training started (GracefulStop takes over from there)."""
+
+    def __init__(self, signum: int):
+        self.signum, self.name = signum, signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+_training = threading.Event()  # set once GracefulStop is installed: from then on a stop is graceful, or plain
+
+
+@contextlib.contextmanager
+def interrupt_on_signals():
+    """Inside the block, SIGTERM and SIGINT raise `Interrupted`; a second one exits at once."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+    raised = []
+    _training.clear()
+
+    def handle(signum, frame):
+        if _training.is_set():  # after the run (GracefulStop restored this handler): what Python does by default
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if raised:
+            os._exit(128 + signum)  # second signal while cleaning up: stop now
+        raised.append(signum)
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class GracefulStop:
@@ -25,7 +71,10 @@ class GracefulStop:
         self._group = None
 
     def install(self) -> "GracefulStop":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        import torch.distributed as dist
+
+        _training.set()
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         if dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
@@ -42,6 +91,9 @@ class GracefulStop:
 
     def requested(self) -> bool:
         """True on every rank if any rank received a signal (a collective under torchrun)."""
+        import torch
+        import torch.distributed as dist
+
         if self._group is None:
             return self.signum is not None
         flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)  # host memory: no GPU sync
