@@ -255,7 +255,7 @@ def test_sentence_pairs_pack_on_distilbert(own_args, tmp_path):
 def test_monitor_macro_f1_picks_the_best_epoch(own_args, tmp_path):
     train = write_csv(tmp_path / "train.csv", rows(90))
     out = tmp_path / "run"
-    assert main(own_args(train, "--monitor", "val_macro_f1", "--epochs", "3")) == 0
+    assert main(own_args(train, "--monitor-metric", "val_macro_f1", "--epochs", "3")) == 0
     results = json.loads((out / "results.json").read_text())
     f1 = [h["val_macro_f1"] for h in results["history"]]
     assert results["best_epoch"] == f1.index(max(f1)) + 1 and results["best_monitor"] == max(f1)
