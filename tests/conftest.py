@@ -73,3 +73,22 @@ def tiny_args(imdb_dir, cache_dir, tmp_path):
                 "--max-length", "64", "--batch-size", "8", "--epochs", "2", "--log-every", "2",
                 "--no-progress", "--out", str(out or tmp_path / "run"), *extra]
     return args
+
+
+# ---------------------------------------------------------------------------- test order
+# The suite must not depend on its order (a test leaving state that the next one needs, or that
+# breaks it). `--test-order reverse` runs the files, and the tests in each, backwards;
+# `--test-order shuffle --test-order-seed N` in a seeded random order. Both are run before a release.
+
+def pytest_addoption(parser):
+    parser.addoption("--test-order", choices=("file", "reverse", "shuffle"), default="file",
+                     help="run the collected tests in file order (default), reversed, or shuffled")
+    parser.addoption("--test-order-seed", type=int, default=0, help="the seed of --test-order shuffle")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = config.getoption("--test-order")
+    if order == "reverse":
+        items.reverse()
+    elif order == "shuffle":
+        random.Random(config.getoption("--test-order-seed")).shuffle(items)
