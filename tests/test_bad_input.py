@@ -24,6 +24,16 @@ from fastpt.machinery import distributed
 from train import main
 
 
+class _RunsCode:
+    """Unpickling this creates a file: proof that code from a model folder ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, imdb_dir, cache_dir) -> dict:
     """Broken datasets, incomplete model folders and a finished run with a checkpoint."""
@@ -56,6 +66,16 @@ def inputs(tmp_path_factory, imdb_dir, cache_dir) -> dict:
     tokenizer.save_pretrained(made["model_no_weights"])
     made["model_no_tokenizer"] = root / "model-no-tokenizer"
     model.save_pretrained(made["model_no_tokenizer"])
+    made["model_truncated"] = root / "model-truncated"  # a download cut short
+    model.save_pretrained(made["model_truncated"])
+    tokenizer.save_pretrained(made["model_truncated"])
+    weights = made["model_truncated"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    made["model_pickle"] = root / "model-pickle"  # a crafted pytorch_model.bin: its unpickling runs code
+    model.config.save_pretrained(made["model_pickle"])
+    tokenizer.save_pretrained(made["model_pickle"])
+    made["pickle_marker"] = root / "pickle-ran"
+    torch.save({"weight": _RunsCode(made["pickle_marker"])}, made["model_pickle"] / "pytorch_model.bin")
 
     made["finished"] = root / "finished"
     assert main(["--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--max-length", "64",
@@ -160,6 +180,10 @@ CASES = [
      "has no aclImdb/test/pos/*.txt reviews", "{out}"),
     ("model folder without weights", ["--model", "{model_no_weights}"], None, "has no weights", "{out}"),
     ("model folder without tokenizer", ["--model", "{model_no_tokenizer}"], None, "has no tokenizer", "{out}"),
+    ("truncated model weights", ["--model", "{model_truncated}"], None,
+     "model.safetensors is damaged (incomplete metadata, file not fully covered)", "{out}"),
+    ("model weights that run code", ["--model", "{model_pickle}"], None,
+     "pytorch_model.bin holds objects other than tensors", "{out}"),
     ("out folder holds another run", [], None, "holds a finished run; pass --overwrite", FINISHED),
     ("resume with another max length", ["--resume", "auto", "--max-length", "32"], None,
      "--max-length was 64, now 32", FINISHED),
@@ -243,3 +267,12 @@ def test_bad_input(flags, setup, expected, run_folder, inputs, tiny_args, tmp_pa
     assert snapshot(out) == before  # not created, not cleared, not written
     assert not (tmp_path / "runs").exists()  # no default run folder either
     assert not any(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))  # one-rank set-up undone
+
+
+def test_a_crafted_model_pickle_never_runs(inputs, tiny_args, tmp_path):
+    """The crafted pytorch_model.bin above is refused without its code running (no marker file)."""
+    assert main(tiny_args("--model", str(inputs["model_pickle"]), out=tmp_path / "run")) == EXIT_BAD_INPUT
+    assert not inputs["pickle_marker"].exists()
+    torch.load(inputs["model_pickle"] / "pytorch_model.bin", weights_only=False)  # a full unpickling runs it
+    assert inputs["pickle_marker"].exists()
+    inputs["pickle_marker"].unlink()

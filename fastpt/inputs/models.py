@@ -166,9 +166,46 @@ def check_model_source(name: str, random_init: bool) -> None:
         from huggingface_hub import try_to_load_from_cache
         if not isinstance(try_to_load_from_cache(path, "config.json"), str):  # not in the local cache
             raise ModelError(f"cannot load model {name!r}: {_cause(path, OSError('not cached'))}")
-    if (not random_init and os.path.isdir(path) and not any(Path(path).glob("*.safetensors"))
-            and not any(Path(path).glob("*.bin"))):
-        raise ModelError(f"model folder {path} has no weights (*.safetensors or *.bin)")
+    if not random_init and os.path.isdir(path):
+        check_weight_files(Path(path))
+
+
+def check_weight_files(folder: Path) -> None:
+    """The weight files transformers would load are whole, and hold tensors only; ModelError if not.
+
+    Cheap: a safetensors file's header is read and checked against the file's size; a
+    pytorch_model.bin is unpickled with weights_only=True (tensors memory-mapped, not read), so a
+    crafted pickle is refused here, before the data work, and never runs."""
+    import pickle
+
+    from safetensors import SafetensorError, safe_open
+
+    safetensors = sorted(folder.glob("*.safetensors"))
+    pickled = sorted(folder.glob("*.bin"))
+    if not safetensors and not pickled:
+        raise ModelError(f"model folder {folder} has no weights (*.safetensors or *.bin)")
+    for path in safetensors:  # transformers prefers these: the .bin files are then never read
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            cause = str(e).removeprefix("Error while deserializing header: ")
+            raise ModelError(f"model folder {folder}: {path.name} is damaged ({one_line(cause, limit=120)}); "
+                             f"download or save it again") from None
+    for path in [] if safetensors else pickled:
+        try:
+            try:
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):  # a file in torch's legacy format cannot be memory-mapped
+                    raise
+                torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise ModelError(f"model folder {folder}: {path.name} holds objects other than tensors, which fastpt "
+                             f"does not unpickle (weights_only=True); convert a trusted copy to safetensors") from None
+        except (RuntimeError, OSError, EOFError) as e:
+            raise ModelError(f"model folder {folder}: {path.name} is damaged ({one_line(e, limit=120)}); "
+                             f"download or save it again") from None
 
 
 def label_config(label_names: list | None) -> dict:
