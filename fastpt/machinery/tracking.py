@@ -10,8 +10,10 @@ each only where it applies (no amp_dtype for a run without --amp).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -46,8 +48,10 @@ class Tracker:
             # resumed run continues the same curves without duplicate steps.
             if purge_step is not None:
                 _after_existing_event_files(out_dir / "tb")
-            self.writer = SummaryWriter(str(out_dir / "tb"), purge_step=purge_step)
-            self.writer.add_custom_scalars(CUSTOM_SCALARS)
+            _quiet_event_writer_threads()
+            with _event_file_errors(out_dir / "tb"):
+                self.writer = SummaryWriter(str(out_dir / "tb"), purge_step=purge_step)
+                self.writer.add_custom_scalars(CUSTOM_SCALARS)
 
     def print(self, message: str) -> None:
         tqdm.write(message, file=sys.stdout)
@@ -58,27 +62,32 @@ class Tracker:
 
     def scalars(self, values: dict, step: int, prefix: str = "") -> None:
         if self.writer:
-            for k, v in values.items():
-                if isinstance(v, (int, float)):
-                    self.writer.add_scalar(f"{prefix}{k}", v, step)
+            with _event_file_errors(self.out_dir / "tb"):
+                for k, v in values.items():
+                    if isinstance(v, (int, float)):
+                        self.writer.add_scalar(f"{prefix}{k}", v, step)
 
     def text(self, tag: str, text: str) -> None:
         if self.writer:
-            self.writer.add_text(tag, f"```\n{text}\n```")
+            with _event_file_errors(self.out_dir / "tb"):
+                self.writer.add_text(tag, f"```\n{text}\n```")
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         if self.writer:
             clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                      for k, v in applicable_hparams(hparams).items()}
-            self.writer.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()
-                                            if isinstance(v, (int, float))}, run_name="hparams")
+            with _event_file_errors(self.out_dir / "tb"):
+                self.writer.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()
+                                                if isinstance(v, (int, float))}, run_name="hparams")
 
     def write_json(self, name: str, data: dict) -> None:
         write_json_atomic(self.out_dir / name, data)
 
     def close(self) -> None:
         if self.writer:
-            self.writer.close()
+            writer, self.writer = self.writer, None
+            with _event_file_errors(self.out_dir / "tb"):
+                writer.close()
 
 
 class NullTracker(Tracker):
@@ -92,6 +101,37 @@ class NullTracker(Tracker):
 
     def write_json(self, name: str, data: dict) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _event_file_errors(folder: Path):
+    """A full disk under TensorBoard's writer becomes fastpt's one-line DiskFull (exit status 1)."""
+    from fastpt.machinery.checkpoint import _disk_full
+    from fastpt.machinery.errors import DiskFull
+
+    try:
+        yield
+    except OSError as e:
+        if not _disk_full(e):
+            raise
+        raise DiskFull(f"no space left in {folder} for TensorBoard's event file: free some space, or "
+                       f"pass --no-tensorboard") from None
+
+
+def _quiet_event_writer_threads() -> None:
+    """TensorBoard writes from a thread of its own; a write that fails there is raised again in the
+    main thread at the next call (and reported there, in one line): the thread's own traceback is noise."""
+    previous = threading.excepthook
+    if getattr(previous, "fastpt_quiet", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.fastpt_quiet = True
+    threading.excepthook = hook
 
 
 def _after_existing_event_files(folder: Path) -> None:
