@@ -116,9 +116,9 @@ def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
 
 def notes(cfg: TrainConfig, dist, inputs) -> list[str]:
     """One line each for what differs from what the flags might suggest."""
-    from fastpt.inputs import imdb, token_cache
+    from fastpt.inputs import imdb, own_data, token_cache
 
-    lines = []
+    lines = [f"note: {line}" for line in own_data.reading_notes(inputs.cache_path)] if cfg.data else []
     difference = None if cfg.data else imdb.differs_from_article(token_cache.split_keys(inputs.cache_path))
     if difference:
         lines.append(f"note: the data in {cfg.data_dir} holds {difference}")
