@@ -16,9 +16,10 @@ split came from (`data_splits`), so the same command gets the same split.
 
 Reading: a CSV field in quotes may hold commas, doubled quotes and line breaks (a row that spans
 lines is said in one note: a quote left open merges the rows after it the same way); a TSV is
-read as it is, without quotes (a text may begin with one, and cannot hold a tab or line break). Texts of any length. Columns keep
-apart: an empty header name becomes "(unnamed column N)", a repeated one is refused. Names in
-messages are quoted and escaped, so spaces and control characters show.
+read as it is, without quotes (a text may begin with one, and cannot hold a tab or line break).
+Texts of any length. Columns keep apart: an empty header name becomes "(unnamed column N)", a
+repeated one is refused. Names in messages are quoted and escaped, so spaces and control
+characters show.
 
 Labels, one rule in every format (`read_label`): a whole number is an integer whatever holds it
 (7, 7.0, "7"); any other text is a string without its surrounding spaces (a note says how many
