@@ -271,7 +271,7 @@ def _bad(tmp_path, name, text):
 
 BAD = {
     "missing column": (lambda p: write_csv(p / "a.csv", rows(30), header=("sentence", "label")), [],
-                       "has no column 'text' (--text-column); its columns: sentence, label"),
+                       "has no column 'text' (--text-column); its columns: 'sentence', 'label'"),
     "empty file": (lambda p: _bad(p, "a.csv", ""), [], "is empty"),
     "header only": (lambda p: _bad(p, "a.csv", "text,label\n"), [], "has no rows"),
     "one class": (lambda p: write_csv(p / "a.csv", rows(30, labels=("good",))), [], "one class only"),

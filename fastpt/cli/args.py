@@ -43,7 +43,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = _OneLineParser(
-        description="Fine-tune DistilBERT on IMDB in plain PyTorch, with every speed-up behind a flag.",
+        description="Fine-tune a text classifier in plain PyTorch (by default DistilBERT on IMDB, or --data your "
+                    "own table), with every speed-up behind a flag.",
         formatter_class=_DefaultsFormatter,
         allow_abbrev=False,  # no prefixes: a new flag must never change what an abbreviation meant
     )
@@ -76,10 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --data: the shuffle that carves the splits (default: {d.split_seed})")
     g.add_argument("--cache-dir", default=None,
                    help="tokenised-split cache (default: $FASTPT_CACHE_DIR or ~/.cache/fastpt)")
-    g.add_argument("--max-length", type=int, default=d.max_length, help="tokens per review, truncated")
-    g.add_argument("--train-size", type=int, default=None, help="use the first N training reviews")
-    g.add_argument("--val-size", type=int, default=None, help="use the first N validation reviews")
-    g.add_argument("--test-size", type=int, default=None, help="use the first N test reviews")
+    g.add_argument("--max-length", type=int, default=d.max_length, help="tokens per text, truncated")
+    g.add_argument("--train-size", type=int, default=None, help="use the first N training examples")
+    g.add_argument("--val-size", type=int, default=None, help="use the first N validation examples")
+    g.add_argument("--test-size", type=int, default=None, help="use the first N test examples")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
@@ -107,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="page-locked batches (default: on with CUDA)")
     g.add_argument("--no-pin-memory", dest="pin_memory", action="store_false", help="pageable batches")
     g.add_argument("--pad-to", default=d.pad_to, choices=CHOICES["pad_to"],
-                   help="pad each batch to --max-length or to its longest review (--bucket implies longest)")
+                   help="pad each batch to --max-length or to its longest text (--bucket implies longest)")
     g.add_argument("--bucket", action="store_true", help="length-grouped batches with dynamic padding")
     g.add_argument("--pack", action="store_true",
-                   help="padding-free batches: the batch's reviews end to end as one token stream")
+                   help="padding-free batches: the batch's texts end to end as one token stream")
     g.add_argument("--pack-multiple", type=int, default=None,
                    help="with --pack: round each batch's token count up to a multiple of N "
                         "(few shapes for CUDA graphs); at most --max-length")

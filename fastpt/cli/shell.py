@@ -119,9 +119,9 @@ def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
 
 def notes(cfg: TrainConfig, dist, inputs) -> list[str]:
     """One line each for what differs from what the flags might suggest."""
-    from fastpt.inputs import imdb, token_cache
+    from fastpt.inputs import imdb, own_data, token_cache
 
-    lines = []
+    lines = [f"note: {line}" for line in own_data.reading_notes(inputs.cache_path)] if cfg.data else []
     difference = None if cfg.data else imdb.differs_from_article(token_cache.split_keys(inputs.cache_path))
     if difference:
         lines.append(f"note: the data in {cfg.data_dir} holds {difference}")
@@ -136,7 +136,8 @@ def notes(cfg: TrainConfig, dist, inputs) -> list[str]:
     # line once it is a noticeable share of the reviews (the article's run leaves out 8 of 35,000).
     reviews, used = len(inputs.splits["train"]), inputs.train_examples_used(cfg, dist.world_size)
     if reviews - used >= 0.01 * reviews:
-        lines.append(f"note: each epoch trains on {used} of the {reviews} training reviews: whole batches of "
+        lines.append(f"note: each epoch trains on {used} of the {reviews} training "
+                     f"{'examples' if cfg.data else 'reviews'}: whole batches of "
                      f"{cfg.batch_size}{f' x {dist.world_size} processes' if dist.world_size > 1 else ''} "
                      f"only, the rest of each epoch's shuffle is left out")
     batches = used // (cfg.batch_size * dist.world_size)  # per process

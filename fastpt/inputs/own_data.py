@@ -14,15 +14,26 @@ A split the source does not have is carved from the training set: `--val-fractio
 split keeps the label proportions). config.json records the fractions, the seed and where each
 split came from (`data_splits`), so the same command gets the same split.
 
-Labels are integers or strings. Their ids follow the sorted order of the training set's
-distinct labels (numbers numerically, strings alphabetically); integer labels 0..K-1 keep their
-value. A `datasets` ClassLabel column keeps its own ids and names. The names are written to
-config.json and best.pt (`label_names`) and, with --export-dir, the model's id2label.
+Reading: a CSV field in quotes may hold commas, doubled quotes and line breaks (a row that spans
+lines is said in one note: a quote left open merges the rows after it the same way); a TSV is
+read as it is, without quotes (a text may begin with one, and cannot hold a tab or line break).
+Texts of any length. Columns keep apart: an empty header name becomes "(unnamed column N)", a
+repeated one is refused. Names in messages are quoted and escaped, so spaces and control
+characters show.
 
-Bad input stops before anything is written, with one line: a missing column (the line lists
-those there are), an empty file or split, one class only, a validation or test label the
-training set lacks, empty or non-string texts (how many and where), a malformed CSV row (file
-and line).
+Labels, one rule in every format (`read_label`): a whole number is an integer whatever holds it
+(7, 7.0, "7"); any other text is a string without its surrounding spaces (a note says how many
+had them); empty, null, NaN and "NaN" are no label and refused with their lines; a fraction, a
+boolean or a mix of numbers and strings is refused. Ids follow the sorted order of the training
+set's distinct labels (numbers numerically, strings alphabetically); integer labels 0..K-1 keep
+their value. A `datasets` ClassLabel column keeps its own ids and names (its -1, "no label", is
+refused as an unlabelled split). The names are written to config.json and best.pt
+(`label_names`) and, with --export-dir, the model's id2label.
+
+Bad input stops before anything is written, with one line: a missing or repeated column (the
+line lists those there are), an empty file or split, one class only, a validation or test label
+the training set lacks, empty or non-string texts, missing labels (how many and where), a
+malformed CSV row (file and the line it starts on).
 
 The tokenised splits are Arrow files (`datasets.save_to_disk`) under a key made of the files'
 content, the columns, the split settings and the tokenizer, built at 512 tokens and cut to a
@@ -43,7 +54,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -53,13 +64,15 @@ from fastpt.inputs import token_cache
 from fastpt.inputs.imdb import DataError
 
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: TSV without quotes, labels by read_label, the reading's notes kept
 FILE_KINDS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
               ".parquet": "parquet"}
 SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
                "dev": "validation", "test": "test"}
 META = "fastpt_data.json"  # label names and where each split came from, inside the cache folder
-_INTEGER = re.compile(r"^\s*[-+]?\d+\s*$")
+UNNAMED = re.compile(r"\(unnamed column \d+\)")  # the key of a column whose header is empty
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")  # a label that reads as a number is one
+FIELD_LIMIT = 2**31 - 1  # csv's default (128 KiB) refuses a long text as malformed; a C long holds this everywhere
 
 
 @dataclass
@@ -69,6 +82,7 @@ class Table:
     where: str  # the file (or "dataset split") it came from
     lines: Optional[list] = None  # each row's line in the file (CSV, JSON Lines), for messages
     label_names: Optional[list] = None  # a ClassLabel column's names
+    notes: list = field(default_factory=list)  # what reading changed or noticed, one line each
 
     def __len__(self) -> int:
         return len(next(iter(self.columns.values()))) if self.columns else 0
@@ -98,11 +112,13 @@ def read_file(path: Path) -> Table:
         raise DataError(f"{path}: no such file")
     try:
         if kind in ("csv", "tsv"):
-            return _read_csv(path, "\t" if kind == "tsv" else ",")
+            return _read_csv(path, kind)
         if kind == "jsonl":
             return _read_jsonl(path)
         import pyarrow.parquet as pq
-        return Table(pq.read_table(path).to_pydict(), str(path))
+        table = pq.read_table(path)
+        keys = column_keys(table.column_names, str(path))
+        return Table({key: table.column(j).to_pylist() for j, key in enumerate(keys)}, str(path))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except DataError:
@@ -112,28 +128,80 @@ def read_file(path: Path) -> Table:
             from None
 
 
-def _read_csv(path: Path, delimiter: str) -> Table:
-    """The csv module, not pandas: it names the exact line of a malformed row and never guesses types."""
+def column_keys(names: list, where: str) -> list:
+    """Each column's key in a Table: an empty name becomes "(unnamed column N)"; a repeated name is refused.
+
+    Two columns never share a key (a dict would keep only the last); which of two "text" columns
+    holds the text is for the user to say, so they are refused by name.
+    """
+    keys = [name if name else f"(unnamed column {j})" for j, name in enumerate(names, 1)]
+    repeated = {name: [j for j, n in enumerate(names, 1) if n == name] for name in names if name}
+    repeated = {name: places for name, places in repeated.items() if len(places) > 1}
+    if repeated:
+        named = "; ".join(f"{show_column(n)} (columns {', '.join(map(str, places))})" for n, places in repeated.items())
+        raise DataError(f"{where}: more than one column is named {named}: give each column its own name")
+    return keys
+
+
+def show_column(name: str) -> str:
+    """A column's name in a message: quoted, so spaces show, and control characters escaped (repr)."""
+    return name if UNNAMED.fullmatch(name) else repr(name)
+
+
+def _read_csv(path: Path, kind: str) -> Table:
+    """The csv module, not pandas: it names the exact line of a malformed row and never guesses types.
+
+    A TSV is read as it is, without quotes (tab-separated values have none): a text may start with
+    a quote and keep it. A CSV field in quotes may span lines; each row is named by the line it
+    starts on, and a row that spans lines is said in one note (a quote left open merges rows).
+    """
+    csv.field_size_limit(FIELD_LIMIT)
+    quoting = csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL
     with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f, delimiter=delimiter)
+        reader = csv.reader(f, delimiter="\t" if kind == "tsv" else ",", quoting=quoting)
+        start = 1
         try:
             header = next(reader, None)
             if not header:
                 raise DataError(f"{path} is empty: expected a header line naming the columns")
-            rows, lines = [], []
+            keys = column_keys(header, str(path))
+            rows, lines, spans, blank = [], [], [], 0
+            start = reader.line_num + 1
             for row in reader:
+                end, first = reader.line_num, start
+                start = end + 1
                 if not row:
-                    continue  # a blank line
+                    blank += 1
+                    continue
+                if end > first:
+                    spans.append((first, end))
                 if len(row) != len(header):
-                    raise DataError(f"{path}: line {reader.line_num}: malformed row: {len(row)} field"
-                                    f"{'' if len(row) == 1 else 's'}, the header has {len(header)} "
-                                    f"(a text with the delimiter needs quotes)")
+                    opened = (f"; a quote opened on line {first} runs to line {end}: is it closed?"
+                              if end > first else " (a text with the delimiter needs quotes)")
+                    raise DataError(f"{path}: line {first}: malformed row: {len(row)} field"
+                                    f"{'' if len(row) == 1 else 's'}, the header has {len(header)}{opened}")
                 rows.append(row)
-                lines.append(reader.line_num)
+                lines.append(first)
         except csv.Error as e:
-            raise DataError(f"{path}: line {reader.line_num}: malformed CSV: {e}") from None
-    columns = {name: [row[j] for row in rows] for j, name in enumerate(header)}
-    return Table(columns, str(path), lines)
+            raise DataError(f"{path}: line {start}: malformed {kind.upper()}: {e}") from None
+    notes = []
+    if spans:  # legitimate for a quoted text with line breaks; a quote left open merges rows silently
+        physical = reader.line_num - 1 - blank
+        notes.append(f"{path}: {len(rows)} rows read from {physical} lines: {len(spans)} row"
+                     f"{'s span' if len(spans) > 1 else ' spans'} several lines inside quotes, the first lines "
+                     f"{spans[0][0]}-{spans[0][1]}")
+    return Table({key: [row[j] for row in rows] for j, key in enumerate(keys)}, str(path), lines, notes=notes)
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _object_without_repeats(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise _RepeatedKey(next(k for k in keys if keys.count(k) > 1))
+    return dict(pairs)
 
 
 def _read_jsonl(path: Path) -> Table:
@@ -143,7 +211,10 @@ def _read_jsonl(path: Path) -> Table:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line, object_pairs_hook=_object_without_repeats)
+            except _RepeatedKey as e:
+                raise DataError(f"{path}: line {number}: the key {show_column(e.args[0])} appears more than once "
+                                f"in one object") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {number}: not valid JSON ({e.msg}); expected one object a line") \
                     from None
@@ -203,38 +274,94 @@ def check_columns(table: Table, cfg) -> None:
     for flag, name in (("--text-column", cfg.text_column), ("--text-pair-column", cfg.text_pair_column),
                        ("--label-column", cfg.label_column)):
         if name is not None and name not in table.columns:
-            there = ", ".join(table.columns) or "none"
-            raise DataError(f"{table.where} has no column {name!r} ({flag}); its columns: {there}")
+            there = ", ".join(map(show_column, table.columns)) or "none"
+            raise DataError(f"{table.where} has no column {show_column(name)} ({flag}); its columns: {there}")
     if len(table) == 0:
         raise DataError(f"{table.where} has no rows")
+
+
+def _places(table: Table, rows: list) -> str:
+    return ", ".join(table.place(i) for i in rows[:5]) + (", ..." if len(rows) > 5 else "")
 
 
 def check_texts(table: Table, column: str) -> None:
     """Every text a non-empty string; else how many are not, and the first few places."""
     bad = [i for i, v in enumerate(table.columns[column]) if not isinstance(v, str) or not v.strip()]
     if bad:
-        places = ", ".join(table.place(i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
         raise DataError(f"{table.where}: {len(bad)} empty or non-string value{'' if len(bad) == 1 else 's'} "
-                        f"in column {column!r} ({places})")
+                        f"in column {show_column(column)} ({_places(table, bad)})")
 
 
-def label_values(table: Table, column: str) -> list:
-    """The labels as ints or strings (CSV's "3" is 3 when every label of the file is an integer)."""
-    values = table.columns[column]
+def read_label(value):
+    """One label by the rule every format shares; None for no label (empty, null, NaN or the text "NaN").
+
+    A whole number is an int whatever holds it (7, 7.0, "7", " 7 "); any other text is a string
+    without its surrounding spaces. ValueError for what is no class: a fraction, true/false, a list.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if not text or text.lower() == "nan":
+            return None
+        if not _NUMBER.fullmatch(text):
+            return text
+        value = int(text) if text.lstrip("+-").isdigit() else float(text)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if not value.is_integer():
+            raise ValueError(value)
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(value)
+    return value
+
+
+def read_labels(table: Table, column: str) -> None:
+    """The label column by `read_label`, in place; DataError naming the rows; a note when spaces were stripped."""
     if table.label_names is not None:
-        return values
-    if table.lines and all(isinstance(v, str) and _INTEGER.match(v) for v in values):  # CSV: all strings
-        return [int(v) for v in values]
-    for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, str) and not v.strip()):
-            raise DataError(f"{table.where}: {table.place(i)}: label {v!r} in column {column!r}; "
-                            f"labels must be integers or non-empty strings")
-    kinds = {type(v) for v in values}
-    if len(kinds) > 1:
-        i = next(i for i, v in enumerate(values) if type(v) is not type(values[0]))
-        raise DataError(f"{table.where}: {table.place(i)}: label {values[i]!r} mixes with {values[0]!r}; "
-                        f"labels must be all integers or all strings")
-    return values
+        return check_class_ids(table, column)
+    labels, missing, stripped = [], [], []
+    for i, raw in enumerate(table.columns[column]):
+        try:
+            label = read_label(raw)
+        except ValueError:
+            raise DataError(f"{table.where}: {table.place(i)}: label {raw!r} in column {show_column(column)}; "
+                            f"labels are classes: whole numbers or strings") from None
+        if label is None:
+            missing.append(i)
+        elif isinstance(label, str) and label != raw:
+            stripped.append(i)
+        labels.append(label)
+    if missing:
+        raise DataError(f"{table.where}: {len(missing)} row{'' if len(missing) == 1 else 's'} without a label in "
+                        f"column {show_column(column)} ({_places(table, missing)}): empty, null or NaN; "
+                        f"label them or leave them out")
+    mixed = next((i for i, v in enumerate(labels) if type(v) is not type(labels[0])), None)
+    if mixed is not None:
+        raise DataError(f"{table.where}: {table.place(mixed)}: label {labels[mixed]!r} mixes with "
+                        f"{labels[0]!r} ({table.place(0)}); labels must be all whole numbers or all strings")
+    if stripped:
+        i = stripped[0]
+        table.notes.append(f"{table.where}: {len(stripped)} label{'' if len(stripped) == 1 else 's'} in column "
+                           f"{show_column(column)} had spaces around them, stripped ({table.columns[column][i]!r} "
+                           f"is {labels[i]!r}, {table.place(i)})")
+    table.columns[column] = labels
+
+
+def check_class_ids(table: Table, column: str) -> None:
+    """A ClassLabel column: every id one of its names; -1 is `datasets`' "no label" (GLUE's test splits)."""
+    ids, names = table.columns[column], table.label_names
+    unlabelled = [i for i, v in enumerate(ids) if v == -1]
+    if unlabelled:
+        raise DataError(f"{table.where} is unlabelled: {len(unlabelled)} of {len(ids)} labels are -1 (no label, "
+                        f"as in GLUE's test splits); save the folder without that split (the split is then carved "
+                        f"from the training set) or use a labelled one")
+    bad = next((i for i, v in enumerate(ids) if not isinstance(v, int) or not 0 <= v < len(names)), None)
+    if bad is not None:
+        raise DataError(f"{table.where}: {table.place(bad)}: label {ids[bad]!r} is not one of the "
+                        f"{len(names)} ids of its ClassLabel")
 
 
 # ---------------------------------------------------------------------------- splits
@@ -261,8 +388,9 @@ def stratified_split(labels: list, fractions: dict, seed: int) -> dict:
     return {name: np.asarray(idx, dtype=np.int64)[rng.permutation(len(idx))] for name, idx in out.items()}
 
 
-def gather_splits(cfg) -> tuple[dict, dict]:
-    """{split: Table} for train/validation/test, and where each came from (config.json's data_splits)."""
+def gather_splits(cfg) -> tuple[dict, dict, list]:
+    """{split: Table} for train/validation/test, where each came from (config.json's data_splits), and
+    the reading's notes (one line each: rows spanning lines, labels stripped)."""
     splits = read_source(cfg.data, cfg.label_column)
     origin = {name: table.where for name, table in splits.items()}
     for name, path, flag in (("validation", cfg.val_data, "--val-data"), ("test", cfg.test_data, "--test-data")):
@@ -276,13 +404,15 @@ def gather_splits(cfg) -> tuple[dict, dict]:
         check_texts(table, cfg.text_column)
         if cfg.text_pair_column:
             check_texts(table, cfg.text_pair_column)
+        read_labels(table, cfg.label_column)
+    notes = [line for table in splits.values() for line in table.notes]
     fractions = {}
     for name, fraction in (("validation", cfg.val_fraction), ("test", cfg.test_fraction)):
         if name not in splits:
             fractions[name] = fraction
     if fractions:
         train = splits["train"]
-        idx = stratified_split(label_values(train, cfg.label_column), fractions, cfg.split_seed)
+        idx = stratified_split(train.columns[cfg.label_column], fractions, cfg.split_seed)
         for name, rows in idx.items():
             splits[name] = train.select(rows)
             if name != "train":
@@ -295,7 +425,7 @@ def gather_splits(cfg) -> tuple[dict, dict]:
         if len(splits[name]) == 0:
             advice = f"; give more rows or a larger {flag}" if name in fractions else ""
             raise DataError(f"the {name} split is empty ({splits[name].where}){advice}")
-    return splits, origin
+    return splits, origin, notes
 
 
 def label_ids(splits: dict, column: str) -> tuple[dict, list]:
@@ -312,7 +442,7 @@ def label_ids(splits: dict, column: str) -> tuple[dict, list]:
                 raise DataError(f"{t.where} has label{'s' if len(unseen) > 1 else ''} "
                                 f"{', '.join(names[i] for i in unseen[:5])} that the training set lacks")
         return ids, names
-    values = {name: label_values(t, column) for name, t in splits.items()}
+    values = {name: t.columns[column] for name, t in splits.items()}  # read_labels' ints or strings
     classes = sorted(set(values["train"]))
     check_classes(len(classes), train)
     index = {c: i for i, c in enumerate(classes)}
@@ -373,7 +503,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
     """Read, check, split and tokenise; publish the splits and fastpt_data.json under target atomically."""
     import datasets
 
-    splits, origin = gather_splits(cfg)
+    splits, origin, notes = gather_splits(cfg)
     ids, names = label_ids(splits, cfg.label_column)
     length = built_length(cfg)
     if not cfg.progress:  # --no-progress: no tokenising or saving bars either
@@ -393,7 +523,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
                 tokenize, batched=True, batch_size=1000, desc=f"tokenising {name}",
                 load_from_cache_file=False, keep_in_memory=True).select_columns(["input_ids", "label"])
         datasets.DatasetDict(tokenized).save_to_disk(str(tmp))
-        (tmp / META).write_text(json.dumps({"label_names": names, "splits": origin}, indent=2))
+        (tmp / META).write_text(json.dumps({"label_names": names, "splits": origin, "notes": notes}, indent=2))
         try:
             os.rename(tmp, target)
         except OSError:
@@ -401,6 +531,11 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def reading_notes(cache_path: Path) -> list:
+    """What reading the data changed or noticed, one line each, kept with its cache (said on every run)."""
+    return json.loads((Path(cache_path) / META).read_text()).get("notes", [])
 
 
 def prepare_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj], builder: int = 0):

@@ -156,6 +156,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"--{_flag(name)} must be a finite number, got {value}")
+        for name in ("seed", "split_seed"):  # numpy's RandomState takes 0 .. 2**32 - 1
+            if not 0 <= getattr(self, name) < 2**32:
+                raise ValueError(f"--{_flag(name)} must be between 0 and 2**32 - 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.max_length > 512:

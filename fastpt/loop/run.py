@@ -374,7 +374,7 @@ class Run:
         rate = results["samples_per_s"]
         self.tracker.print(f"test ({tested_on}): loss {test['loss']:.4f} acc {test['acc']:.4f} "
                            f"macro-F1 {test['macro_f1']:.4f} "
-                           f"on {test['n']} reviews | "
+                           f"on {test['n']} {'examples' if cfg.data else 'reviews'} | "
                            f"train time {book.train_time_s / 60:.2f} min"
                            + (f" | {rate:.1f} samples/s" if rate is not None else ""))
         self.tracker.scalars({"test_acc": test["acc"], "test_loss": test["loss"], "test_macro_f1": test["macro_f1"]},
