@@ -139,13 +139,13 @@ def test_overwrite_refuses_a_symlink_and_keeps_the_run(stopped_run, imdb_dir, ca
     assert snapshot(out) == before and snapshot(elsewhere) == kept
 
 
-@pytest.mark.parametrize("fastpt_run", [False, True], ids=["another tool's folder", "a fastpt run and a note"])
+@pytest.mark.parametrize("fastpt_run", [False, True], ids=["another tool's folder", "a fastpt run and a checkpoint"])
 def test_overwrite_refuses_files_fastpt_did_not_write(fastpt_run, stopped_run, imdb_dir, cache_dir, tmp_path, capfd):
     out = tmp_path / "run"
     if fastpt_run:
         shutil.copytree(stopped_run, out)
-        (out / "notes.txt").write_text("lr 1e-3 looked better\n")
-        foreign = "notes.txt"
+        (out / "checkpoints" / "swa.ckpt").write_text("averaged weights kept by hand\n")
+        foreign = "checkpoints/swa.ckpt"
     else:
         (out / "checkpoints").mkdir(parents=True)
         (out / "checkpoints" / "epoch=42.ckpt").write_text("weights")
@@ -172,8 +172,10 @@ def test_overwrite_replaces_a_run_from_before_the_marker(stopped_run, imdb_dir, 
     out = tmp_path / "run"
     shutil.copytree(stopped_run, out)
     (out / run_folder.MARKER).unlink()  # as fastpt wrote run folders before the marker
+    (out / "train.log").write_text("a script's log of the run\n")  # beside the run's files: kept
     old_results = (out / "results.json").read_bytes()
     assert main(flags(imdb_dir, cache_dir, out, "--max-steps", "1", "--overwrite")) == 0
+    assert (out / "train.log").read_text() == "a script's log of the run\n"
     assert json.loads((out / "results.json").read_text())["global_steps"] == 1 != json.loads(old_results)[
         "global_steps"]
     assert (out / run_folder.MARKER).is_file() and not (out / "checkpoints" / "last.pt").exists()

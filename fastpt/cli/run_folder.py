@@ -12,10 +12,11 @@ process group, so nodes need not share a disk. `start_out_dir` is the first writ
 
 What `--overwrite` (or a restart with `--resume auto`) removes is fastpt's own and nothing else:
 every run folder holds `.fastpt-run.json`, written before anything else, and only a folder with
-it (or, from before the marker, a config.json with fastpt's settings) whose every entry is a
-name fastpt writes (`removable`) is cleared; a symbolic link, or any other file, refuses the run
-with one line naming it. Everything is checked before the first file is removed. An export
-folder is fastpt's by its manifest (`checkpoint.write_export`).
+it (or, from before the marker, a config.json with fastpt's settings) whose config.json,
+results.json, checkpoints/ and tb/ hold only what fastpt writes there (`removable`) is cleared; a
+symbolic link there, or any other file, refuses the run with one line naming it. Everything is
+checked before the first file is removed; files beside those places are kept. An export folder
+is fastpt's by its manifest (`checkpoint.write_export`).
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ def remove_stale_temporaries(out: Path) -> None:
     is writing them. Only regular files named after a file fastpt writes there are removed."""
     from fastpt.machinery.checkpoint import temporary_of
 
-    for folder, names in ((out, ("config.json", "results.json", MARKER)), (out / "checkpoints", ("best.pt", "last.pt"))):
+    written_by_fastpt = {out: ("config.json", "results.json", MARKER), out / "checkpoints": ("best.pt", "last.pt")}
+    for folder, names in written_by_fastpt.items():
         if not folder.is_dir():
             continue
         for path in folder.iterdir():
@@ -299,14 +301,19 @@ def removable(out: Path) -> list[str]:
     before anything is removed, unless all of it is fastpt's.
 
     fastpt's: the folder has the marker (or, a run from before the marker, a config.json with
-    fastpt's settings), and every entry is one fastpt writes: config.json, results.json,
-    checkpoints/{best,last}.pt, checkpoints/deepspeed/ (DeepSpeed's own layout), tb/'s event files,
-    their temporaries. A symbolic link is never followed nor removed, wherever it is.
+    fastpt's settings), and everything in the run's places is what fastpt writes there: config.json,
+    results.json, checkpoints/{best,last}.pt, checkpoints/deepspeed/ (DeepSpeed's own layout), tb/'s
+    event files, their temporaries. A symbolic link there is never followed nor removed. Files
+    beside those (a log that a script keeps in the run folder, notes) are left where they are.
     """
+    from fastpt.machinery.checkpoint import temporary_of
+
     paths, foreign = [], []
     for entry in sorted(out.iterdir()):
         if entry.name in (LOCK_NAME, MARKER) and entry.is_file() and not entry.is_symlink():
             continue  # kept: the lock is held, the marker stays true
+        if entry.name not in RUN_FILES and temporary_of(entry.name) not in ("config.json", "results.json", MARKER):
+            continue  # beside the run, not in its places (a script's log): kept, neither removed nor followed
         _walk(out, entry, paths, foreign)
     if foreign:
         raise ValueError(f"--out {out} holds {_a_few(foreign)}, not written by fastpt; --overwrite removes only a "
