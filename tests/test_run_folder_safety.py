@@ -48,6 +48,7 @@ def refused(args, capfd) -> str:
     assert main(args) == EXIT_BAD_INPUT
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
+    print(err[0])  # shown with the test's report (pytest -rA)
     return err[0]
 
 
@@ -234,7 +235,7 @@ def test_a_config_json_that_is_not_an_object_is_refused(imdb_dir, cache_dir, tmp
     (out / "config.json").write_text("[1, 2, 3]\n")
     before = snapshot(out)
     line = refused(flags(imdb_dir, cache_dir, out, "--resume", "auto"), capfd)
-    assert "without a readable config.json (a JSON object)" in line, line
+    assert "without a readable config.json (a JSON object)" in line and "choose another folder" in line, line
     assert snapshot(out) == before
 
 

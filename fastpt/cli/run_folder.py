@@ -86,14 +86,15 @@ def check_export_dir(path: Path, out: Path, overwrite: bool) -> None:
                          f"run's files; choose a folder outside it")
     if not path.is_dir() or not any(path.iterdir()):
         return
-    if not overwrite:
-        raise ValueError(f"--export-dir {path} is not empty; choose another folder or pass --overwrite")
     ours = {*exported_files(path), EXPORT_MANIFEST} if (path / EXPORT_MANIFEST).is_file() else set()
     foreign = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in path.iterdir()
                      if p.name not in ours or p.is_symlink() or not p.is_file())
     if foreign:
         raise ValueError(f"--export-dir {path} holds {_a_few(foreign)}, not written by a fastpt export; "
-                         f"--overwrite replaces only an export's own files: move them away or choose another folder")
+                         f"choose another folder (--overwrite replaces only an earlier export's own files)")
+    if not overwrite:
+        raise ValueError(f"--export-dir {path} holds an earlier export; pass --overwrite to replace it, "
+                         f"or choose another folder")
 
 
 def _a_few(names: list[str], shown: int = 3) -> str:
@@ -383,8 +384,9 @@ def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
     """--resume auto over a folder with no checkpoint: start again only if it is this run."""
     saved = _saved_config(out)
     if saved is None:
+        what = "pass --overwrite to replace it" if (out / MARKER).is_file() else "choose another folder"
         raise ValueError(f"--out {out} holds files of a run without a readable config.json (a JSON object) and "
-                         f"no checkpoints/last.pt to resume; pass --overwrite to replace it")
+                         f"no checkpoints/last.pt to resume; {what}")
     _compare_settings(cfg, saved, world_size, f"cannot continue the run in {out}")
 
 
@@ -460,7 +462,8 @@ def check_same_data(plan: OutPlan, cfg: TrainConfig, inputs) -> None:
         saved = weights[name]
         if not torch.is_tensor(saved) or saved.shape != tensor.shape:
             shape = list(saved.shape) if torch.is_tensor(saved) else type(saved).__name__
-            raise CheckpointError(f"{where}: its last.pt's {name} is {shape}, this model's is {list(tensor.shape)}")
+            raise CheckpointError(f"{where}: its last.pt's {name} is {shape}, this model's is {list(tensor.shape)} "
+                                  f"(a last.pt of another model or data); choose another --out")
 
 
 def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist, data_key: str | None = None) -> None:

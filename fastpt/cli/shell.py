@@ -215,7 +215,8 @@ class CommandLine:
         return self.plan.out, self.plan.resume_state
 
     def start_run(self, inputs) -> None:
-        """What differs from what the flags suggest (one line each), then the run folder's first write."""
+        """A resume's data and weights checked against last.pt's, what differs from what the flags suggest
+        (one line each), then the run folder's first write."""
         from fastpt.cli import run_folder
 
         cfg, dist = self.cfg, self.dist
