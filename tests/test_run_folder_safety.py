@@ -79,6 +79,24 @@ def test_resume_on_changed_data_at_the_same_path_is_refused(rows, labels, cache_
     assert snapshot(out) == before  # config.json not rewritten, checkpoints untouched
 
 
+def test_resume_on_other_imdb_data_in_the_same_folder_is_refused(cache_dir, tmp_path, capfd):
+    from conftest import tar_folder, write_imdb
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    tar_folder(write_imdb(tmp_path / "first", seed=0), data / "aclImdb_v1.tar.gz")
+    assert main(flags(data, cache_dir, out, "--max-steps", "2", "--save-every", "1", "--no-tensorboard")) == 0
+    before = snapshot(out)
+    tar_folder(write_imdb(tmp_path / "second", seed=1), data / "aclImdb_v1.tar.gz")  # other reviews, same place
+    capfd.readouterr()
+    assert main(flags(data, cache_dir, out, "--max-steps", "4", "--save-every", "1", "--no-tensorboard",
+                      "--resume", "auto")) == EXIT_BAD_INPUT
+    # (IMDB's first tokenisation of the new data draws its bars on stderr even with --no-progress)
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "its data changed since it started (content key imdb-" in errors[0], errors
+    assert snapshot(out) == before
+
+
 # ---------------------------------------------------------------------------- 2. the export folder
 
 @pytest.mark.parametrize("where, relation", [("run", "is"), ("run/model", "is inside"), ("", "contains"),
