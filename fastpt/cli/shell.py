@@ -83,15 +83,6 @@ def check_device_support(cfg: TrainConfig, dist) -> None:
         deepspeed_config(cfg, dist.world_size)  # reads and checks --deepspeed-config
 
 
-def check_export_dir(path: Path, overwrite: bool) -> None:
-    """--export-dir: a folder that can be written, and not one holding other files unless --overwrite."""
-    from fastpt.cli import run_folder
-
-    run_folder.check_output_folder(path, "--export-dir")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise ValueError(f"--export-dir {path} is not empty; choose another folder or pass --overwrite")
-
-
 # ---------------------------------------------------------------------------- the resolved config
 
 def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
@@ -212,9 +203,9 @@ class CommandLine:
         run_folder.check_output_folder(out, "--out")
         cache = token_cache.cache_root(cfg.cache_dir)
         run_folder.check_output_folder(cache, token_cache.cache_setting(cfg.cache_dir))
+        out, self.lock = run_folder.claim_out_dir(out, dist, new=run_folder.is_default_out(cfg))
         if cfg.export_dir:
-            check_export_dir(Path(cfg.export_dir), cfg.overwrite)
-        self.lock = run_folder.claim_out_dir(out, dist)
+            run_folder.check_export_dir(Path(cfg.export_dir), out, cfg.overwrite)
         self.plan = run_folder.plan_out_dir(cfg, dist, out)
         if self.plan.resume_state:
             resized = resize.adapt(cfg, self.plan.resume_state, dist.world_size)
@@ -228,17 +219,19 @@ class CommandLine:
         return self.plan.out, self.plan.resume_state
 
     def start_run(self, inputs) -> None:
-        """What differs from what the flags suggest (one line each), then the run folder's first write."""
+        """A resume's data and weights checked against last.pt's, what differs from what the flags suggest
+        (one line each), then the run folder's first write."""
         from fastpt.cli import run_folder
 
         cfg, dist = self.cfg, self.dist
         if not cfg.data:
             cfg.data_dir = cfg.data_dir or str(Path("data").resolve())  # where loading found (or put) the data
+        run_folder.check_same_data(self.plan, cfg, inputs)  # a resume on changed data: refused, nothing written
         if dist.is_main:
             for line in self.notes + notes(cfg, dist, inputs):
                 print(line, file=sys.stderr)
         self.started = True
-        run_folder.start_out_dir(self.plan, cfg, dist)
+        run_folder.start_out_dir(self.plan, cfg, dist, run_folder.data_key(inputs))
 
     @contextlib.contextmanager
     def exit_status(self):

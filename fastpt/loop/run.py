@@ -406,6 +406,10 @@ class Run:
         model = AutoModelForSequenceClassification.from_config(config)
         model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         out = Path(self.cfg.export_dir)
-        model.save_pretrained(out)
-        self.inputs.tokenizer.save_pretrained(out)
+
+        def save(folder: Path) -> None:
+            model.save_pretrained(folder)
+            self.inputs.tokenizer.save_pretrained(folder)
+
+        checkpoint.write_export(out, save)  # over an earlier export: only the files its manifest lists go
         self.tracker.print(f"exported: {out} (transformers.pipeline('text-classification', model=...))")

@@ -5,6 +5,8 @@
   removes the temporary file and says how many bytes the file needs (`DiskFull`).
 - `load` uses `torch.load(weights_only=True)`: only tensors and plain containers are
   unpickled, so a file crafted to run code on load is refused instead of executed.
+- `write_export` writes --export-dir's Hugging Face folder and lists its files in
+  `.fastpt-export.json`: the next `--overwrite` removes those and nothing else.
 - Model weights come from `strategy.module`, the plain model that every strategy keeps beside
   its wrapper (DDP's `module.`, DeepSpeed's engine, FSDP's gathered shards); torch.compile
   compiles the step function or the layers in place, so no `_orig_mod.` prefix appears either.
@@ -15,18 +17,23 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import pickle
 import random
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fastpt.machinery.errors import CheckpointError, DiskFull, one_line
+
+
+EXPORT_MANIFEST = ".fastpt-export.json"  # in an --export-dir: the files fastpt wrote there
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -82,6 +89,25 @@ def _create_temporary(path: Path) -> tuple[int, Path]:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
         except FileExistsError:
             continue
+
+
+def temporary_of(name: str) -> str | None:
+    """The file a temporary of `_create_temporary`'s naming was for (".last.pt.1a2b3c4d.tmp": "last.pt"), else None.
+
+    A run killed mid-write leaves its temporary; the next run in the folder removes it (cli/run_folder.py).
+    """
+    match = re.fullmatch(r"\.(.+)\.[0-9a-f]{8}\.tmp", name)
+    return match.group(1) if match else None
+
+
+def plain_file_mode(folder: Path) -> int:
+    """The permission bits a plain `open` gives a new file in folder: 0o666 less the umask (and any default ACL)."""
+    fd, tmp = _create_temporary(folder / "mode")
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
 
 
 class _ByteCounter:
@@ -159,6 +185,42 @@ def load_model_weights(path: Path) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds no model state")
     return state
+
+
+def exported_files(folder: Path) -> list[str]:
+    """The files an earlier fastpt export wrote in folder, as its manifest lists them ([] without one)."""
+    try:
+        listed = json.loads((Path(folder) / EXPORT_MANIFEST).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(listed, list):
+        return []
+    return [name for name in listed if isinstance(name, str) and name not in ("", ".", "..") and "/" not in name]
+
+
+def write_export(folder: Path, save) -> None:
+    """`save(folder)` writes a Hugging Face model folder, over an earlier fastpt export if there is one.
+
+    The earlier export's files (those its manifest lists) go first, so no stale shard, index or
+    pytorch_model.bin is left beside the new weights; nothing else in the folder is touched (the
+    command line refused a folder holding anything else). The new files get the permissions any
+    run file gets (safetensors writes 0600 whatever the umask) and are listed in a new manifest.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in exported_files(folder):
+        path = folder / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+    before = {p.name for p in folder.iterdir()}
+    save(folder)
+    mode = plain_file_mode(folder)
+    written = sorted(p.name for p in folder.iterdir()
+                     if p.name not in before and p.is_file() and not p.is_symlink())
+    for name in written:
+        os.chmod(folder / name, mode)
+    manifest = {"written_by": "fastpt --export-dir", "files": written}
+    write_atomic(folder / EXPORT_MANIFEST, lambda f: f.write((json.dumps(manifest, indent=2) + "\n").encode()))
 
 
 def rng_state() -> dict:
