@@ -303,7 +303,9 @@ class CommandLine:
             return f"the checkpoints in {self.plan.out} are as they were: --resume auto continues it"
         if self.dist.is_main:
             out = self.plan.out
-            for name in ("config.json", "tb"):
+            from fastpt.cli.run_folder import MARKER
+            made_here = self.lock is not None and out in self.lock.created  # else the marker was there before
+            for name in ("config.json", "tb", *([MARKER] if made_here else [])):
                 path = out / name
                 if path.is_symlink() or path.is_file():
                     path.unlink()
