@@ -38,7 +38,7 @@ from pathlib import Path
 from fastpt.cli.args import parse_args
 from fastpt.cli.run_folder import RunFinished, _run_folder_of
 from fastpt.loop.config import TrainConfig
-from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, ModelError, NonFiniteLoss,
+from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
                                      StopRequested, one_line)
 
 
@@ -255,8 +255,9 @@ class CommandLine:
             if self.started and not isinstance(e, CheckpointError):
                 raise  # a bug, not bad input: the traceback says where
             # Bad input before the run folder was written: status 2. After it, a checkpoint that
-            # cannot be written (a full disk): status 1, earlier checkpoints untouched.
-            self.status = EXIT_FAILED if self.started else EXIT_BAD_INPUT
+            # cannot be written (a full disk): status 1, earlier checkpoints untouched; a full
+            # disk before it (the token cache) is status 1 too, not bad input.
+            self.status = EXIT_FAILED if self.started or isinstance(e, DiskFull) else EXIT_BAD_INPUT
             if self.dist.is_main if self.dist else is_main:
                 print(f"error: {one_line(e)}", file=sys.stderr)
         except NonFiniteLoss as e:
@@ -282,7 +283,7 @@ class CommandLine:
                                         self.cfg)
         finally:
             if self.lock is not None:
-                self.lock.release(keep=self.status not in (EXIT_BAD_INPUT, EXIT_INTERRUPTED))
+                self.lock.release(keep=self.started)  # nothing written yet: no run folder left behind
             if self.dist is not None:
                 from fastpt.machinery import distributed
                 distributed.shutdown()
