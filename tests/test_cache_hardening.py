@@ -90,7 +90,7 @@ def test_own_data_whose_metadata_was_changed_is_refused(change, tmp_path, capsys
 
     cache, data = tmp_path / "cache", write_table(tmp_path / "table.csv")
     assert main(own_run(data, cache, tmp_path / "first")) == 0
-    (path,) = [p for p in cache.iterdir() if p.name.startswith("data-")]
+    (path,) = [p for p in cache.iterdir() if p.is_dir() and p.name.startswith("data-")]
     if change == "label names":  # "bad" is now called "good" and the other way round
         meta = json.loads((path / own_data.META).read_text())
         meta["label_names"] = meta["label_names"][::-1]
@@ -129,7 +129,7 @@ def test_a_cache_the_user_may_not_read_is_one_line_naming_it_and_its_owner(imdb_
     def closed(name, *args, **kwargs):  # another user's 0700 cache (the tests may run as root, who reads anything)
         raise PermissionError(errno.EACCES, "Permission denied", str(Path(name) / "dataset_dict.json"))
 
-    monkeypatch.setattr(token_cache, "verify", closed)
+    monkeypatch.setattr(datasets, "load_from_disk", closed)
     status, err = run(short_run(imdb_dir, cache, out), capsys)
     assert status == 2
     owner = pwd.getpwuid(path.stat().st_uid).pw_name
