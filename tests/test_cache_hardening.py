@@ -234,3 +234,23 @@ def test_the_inductor_cache_is_the_one_fastpt_names_even_after_dynamo_chose_its_
     backends.configure(cfg, torch.device("cpu"), tmp_path)
     assert cache_dir() == str(tmp_path / "mine")
     backends.restore(cfg)
+
+
+def test_a_compile_run_compiles_with_torchs_cache_in_the_folder_fastpt_names(imdb_dir, tmp_path, monkeypatch):
+    """The run's real order (torch._dynamo imported by the --compile check, long before the backends are set);
+    torch.compile itself is replaced by a probe that asks torch where its cache is (a cold Inductor compile of
+    even the tiny model takes minutes on a small CPU; that it then writes there is torch's business)."""
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()  # what `import torch._dynamo` does in a fresh process: torch's default written into the variable
+    seen = []
+
+    def probe(target, **options):
+        seen.append(cache_dir())
+        return target
+
+    monkeypatch.setattr(torch, "compile", probe)
+    assert main(short_run(imdb_dir, tmp_path / "cache", tmp_path / "run", "--compile")) == 0
+    assert seen and set(seen) == {str(tmp_path / "cache" / "inductor")}
