@@ -132,9 +132,14 @@ def test_a_cache_the_user_may_not_read_is_one_line_naming_it_and_its_owner(imdb_
     monkeypatch.setattr(datasets, "load_from_disk", closed)
     status, err = run(short_run(imdb_dir, cache, out), capsys)
     assert status == 2
-    owner = pwd.getpwuid(path.stat().st_uid).pw_name
-    assert len(err) == 1 and f"no permission to use the token cache {path}" in err[0], err
-    assert f"ask {owner}" in err[0] and "--cache-dir" in err[0]
+    assert len(err) == 1 and f"no permission to use the token cache {path} (yours, drwx" in err[0], err
+    assert f"chmod -R u+rwX {path}" in err[0] and "--cache-dir" in err[0]
+
+    builder = path.stat().st_uid  # seen by another user, the line names the cache's owner
+    owner = pwd.getpwuid(builder).pw_name
+    monkeypatch.setattr(os, "getuid", lambda: builder + 1)
+    status, err = run(short_run(imdb_dir, cache, out), capsys)
+    assert status == 2 and f"({owner}'s, drwx" in err[0] and f"ask {owner} to open it to you" in err[0], err
     assert not out.exists()
 
 

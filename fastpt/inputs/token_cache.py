@@ -407,6 +407,9 @@ def _permission_line(path: Path, setting: str) -> str:
         owner = pwd.getpwuid(st.st_uid).pw_name
     except KeyError:
         owner = f"uid {st.st_uid}"
-    whose = "yours" if st.st_uid == os.getuid() else f"{owner}'s"
-    return (f"no permission to use the token cache {folder} ({whose}, {stat.filemode(st.st_mode)}): ask {owner} to "
-            f"open it to you (chmod -R g+rwX {folder}), or choose another {setting}")
+    mode = stat.filemode(st.st_mode)
+    if st.st_uid == os.getuid():
+        return (f"no permission to use the token cache {folder} (yours, {mode}): chmod -R u+rwX {folder}, "
+                f"or choose another {setting}")
+    return (f"no permission to use the token cache {folder} ({owner}'s, {mode}): ask {owner} to open it to you "
+            f"(chmod -R g+rwX {folder}), or choose another {setting}")
