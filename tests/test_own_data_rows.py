@@ -148,7 +148,7 @@ FORMATS = ("csv", "jsonl", "parquet")
 def test_spaces_around_string_labels_are_stripped_with_a_note(kind, tmp_path):
     labels = ["neg", "neg ", " pos", "pos"] * 8
     splits, notes = _gather(write_as(tmp_path, kind, labels))
-    assert sorted(set(l for t in splits.values() for l in t.columns["label"])) == ["neg", "pos"]
+    assert sorted(set(label for t in splits.values() for label in t.columns["label"])) == ["neg", "pos"]
     place = "row 2" if kind == "parquet" else "line 3" if kind == "csv" else "line 2"
     assert notes == [f"{tmp_path / f'a.{kind}'}: 16 labels in column 'label' had spaces around them, stripped "
                      f"('neg ' is 'neg', {place})"]

@@ -16,7 +16,8 @@ stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT after wri
 checkpoints/last.pt; 1 the run failed (e.g. the loss became NaN, the disk is full; earlier
 checkpoints are left untouched); 130 Ctrl-C, 143 SIGTERM before training started (what the new
 run wrote removed, no run folder left; a resumed run's checkpoints as they were). Under torchrun
-every rank returns the same status and only rank 0 prints, except that each rank that lost contact with the others (--dist-timeout) says so: status 1.
+every rank returns the same status and only rank 0 prints, except that each rank that lost
+contact with the others (--dist-timeout) says so: status 1.
 
 The order matters for "nothing written on bad input": every check that can fail on what the
 user passed (flags, environment, output places, the run folder, the resume checkpoint, the
@@ -40,7 +41,7 @@ from pathlib import Path
 from fastpt.cli.args import parse_args
 from fastpt.cli.run_folder import RunFinished, _run_folder_of
 from fastpt.loop.config import TrainConfig
-from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, ModelError, NonFiniteLoss,
+from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
                                      StopRequested, one_line)
 
 
@@ -257,8 +258,9 @@ class CommandLine:
             if self.started and not isinstance(e, CheckpointError):
                 raise  # a bug, not bad input: the traceback says where
             # Bad input before the run folder was written: status 2. After it, a checkpoint that
-            # cannot be written (a full disk): status 1, earlier checkpoints untouched.
-            self.status = EXIT_FAILED if self.started else EXIT_BAD_INPUT
+            # cannot be written (a full disk): status 1, earlier checkpoints untouched; a full
+            # disk before it (the token cache) is status 1 too, not bad input.
+            self.status = EXIT_FAILED if self.started or isinstance(e, DiskFull) else EXIT_BAD_INPUT
             if self.dist.is_main if self.dist else is_main:
                 print(f"error: {one_line(e)}", file=sys.stderr)
         except NonFiniteLoss as e:
@@ -288,12 +290,10 @@ class CommandLine:
         finally:
             stack.close()
             if self.lock is not None:
-                self.lock.release(keep=self.status not in (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED)
-                                  or self.plan is not None and self.plan.resume_state is not None)
+                self.lock.release(keep=self.started)  # nothing written yet (or undone): no run folder left behind
             if self.dist is not None:
                 from fastpt.machinery import distributed
                 distributed.shutdown()
-
 
     def _unstart(self) -> str:
         """A stop after config.json but before training: remove what this new run wrote (rank 0).
@@ -313,6 +313,7 @@ class CommandLine:
                     shutil.rmtree(path)
             with contextlib.suppress(OSError):
                 (out / "checkpoints").rmdir()  # empty before the first step
+        self.started = False  # as if never started: the lock's release removes the folders it made
         return "nothing was kept"
 
 

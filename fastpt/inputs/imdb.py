@@ -71,6 +71,7 @@ def download(target: Path) -> Path:
     """Fetch the official tarball with a progress bar; fail with advice when offline."""
     from tqdm.auto import tqdm
 
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # removed again on failure
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".part")
     try:
@@ -82,6 +83,11 @@ def download(target: Path) -> Path:
                     bar.update(len(chunk))
     except OSError as e:
         partial.unlink(missing_ok=True)
+        for folder in made:  # deepest first: a failed download leaves no empty ./data behind
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise DataError(
             f"could not download {URL} ({e.__class__.__name__}: {e}); if this machine is offline, "
             f"pass --data-dir DIR (or set FASTPT_DATA_DIR) pointing at a local {TARBALLS[0]} or aclImdb/ folder"

@@ -50,10 +50,8 @@ import csv
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -62,9 +60,12 @@ import numpy as np
 
 from fastpt.inputs import token_cache
 from fastpt.inputs.imdb import DataError
+from fastpt.machinery.errors import DiskFull
 
 
-CACHE_VERSION = 2  # 2: TSV without quotes, labels by read_label, the reading's notes kept
+# 2: the file types in the key, the digest, the paths the cache was built from;
+# 3: TSV without quotes, labels by read_label, the reading's notes kept
+CACHE_VERSION = 3
 FILE_KINDS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
               ".parquet": "parquet"}
 SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
@@ -486,6 +487,9 @@ def cache_key(cfg, tokenizer) -> str:
     parts = {
         "version": CACHE_VERSION,
         "data": [_content_fingerprint(s) if s else None for s in (cfg.data, cfg.val_data, cfg.test_data)],
+        # Checked before the lookup, and keyed: a .tsv copy of a .csv reads differently, a .txt one not at all.
+        "kinds": [file_kind(Path(s)) if s and Path(s).is_file() else None
+                  for s in (cfg.data, cfg.val_data, cfg.test_data)],
         "columns": [cfg.text_column, cfg.text_pair_column, cfg.label_column],
         "split": [cfg.val_fraction, cfg.test_fraction, cfg.split_seed],
         "tokenizer": token_cache._tokenizer_fingerprint(tokenizer),
@@ -508,7 +512,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
     length = built_length(cfg)
     if not cfg.progress:  # --no-progress: no tokenising or saving bars either
         datasets.disable_progress_bars()
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    tmp = token_cache.new_temporary(target)
     try:
         tokenized = {}
         for name in ("train", "validation", "test"):
@@ -523,12 +527,10 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
                 tokenize, batched=True, batch_size=1000, desc=f"tokenising {name}",
                 load_from_cache_file=False, keep_in_memory=True).select_columns(["input_ids", "label"])
         datasets.DatasetDict(tokenized).save_to_disk(str(tmp))
-        (tmp / META).write_text(json.dumps({"label_names": names, "splits": origin, "notes": notes}, indent=2))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not token_cache._is_complete(target):
-                raise
+        meta = {"label_names": names, "splits": origin, "notes": notes,
+                "built_from": [cfg.data, cfg.val_data, cfg.test_data]}
+        (tmp / META).write_text(json.dumps(meta, indent=2))
+        token_cache.publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -545,12 +547,26 @@ def prepare_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj]
         try:
             root = token_cache.cache_root(cfg.cache_dir)
             path = root / f"data-{cache_key(cfg, tokenizer)}"
-            if not token_cache._is_complete(path):
-                token_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
+            with token_cache.reported(path):
+                if not token_cache._is_complete(path):
+                    token_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
             outcome = ("ok", str(path))
-        except DataError as e:
-            outcome = ("error", str(e))
+        except (DataError, DiskFull) as e:
+            outcome = token_cache.failure(e)
     path = token_cache.agree(gather(outcome), builder)
-    meta = json.loads((path / META).read_text())
     keep_last = token_cache.ends_with_special_token(tokenizer) and not cfg.text_pair_column
-    return token_cache.load_cache(path, cfg.max_length, keep_last), path, meta["label_names"], meta["splits"]
+    with token_cache.reported(path):
+        splits = token_cache.load_cache(path, cfg.max_length, keep_last)  # verified against its digest
+        meta = json.loads((path / META).read_text())
+    origin = as_given(meta["splits"], meta["built_from"], [cfg.data, cfg.val_data, cfg.test_data])
+    return splits, path, meta["label_names"], origin
+
+
+def as_given(origin, built_from: list, given: list):
+    """data_splits naming this run's files: the cache may have been built from a byte-identical copy elsewhere."""
+    if isinstance(origin, dict):
+        return {key: as_given(value, built_from, given) for key, value in origin.items()}
+    for old, new in zip(built_from, given):
+        if old and isinstance(origin, str) and (origin == old or origin.startswith(old + " [")):
+            return new + origin[len(old):]  # a file, or a save_to_disk folder's split ("<folder> [valid]")
+    return origin

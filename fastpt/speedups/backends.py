@@ -14,7 +14,11 @@ and where compiled kernels are cached.
 - The Inductor cache: `torch.compile` stores generated kernels and compiled graphs on disk
   and reuses them when the same graph comes again, so a second run skips most of the compile.
   fastpt keeps them in `<cache dir>/inductor` (the token cache's folder, `$FASTPT_CACHE_DIR`
-  or `~/.cache/fastpt`) unless `TORCHINDUCTOR_CACHE_DIR` is already set.
+  or `~/.cache/fastpt`) unless `TORCHINDUCTOR_CACHE_DIR` is already set. Inductor reads the
+  variable each time it needs the folder (`torch._inductor.runtime.cache_dir_utils.cache_dir`),
+  but that function also writes its default, `/tmp/torchinductor_<user>`, into the variable, and
+  importing `torch._dynamo` calls it: so by the time a run gets here the variable is set. Only a
+  value other than torch's default counts as the user's choice (`compile_cache_dir`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,30 @@ def configure(cfg, device: torch.device, cache_root: Path) -> None:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     if cfg.compile:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))
+        _before_run["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(cache_root)
+
+
+def compile_cache_dir(cache_root: Path) -> str:
+    """Where Inductor caches this run's kernels: TORCHINDUCTOR_CACHE_DIR if the user chose it, else
+    <cache root>/inductor."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):  # torch's own default
+        return str(cache_root / "inductor")
+    return chosen
+
+
+_before_run: dict = {}  # the variable as the run found it, put back by restore()
 
 
 def restore(cfg) -> None:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(False)
+    if "TORCHINDUCTOR_CACHE_DIR" in _before_run:
+        previous = _before_run.pop("TORCHINDUCTOR_CACHE_DIR")
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
