@@ -115,6 +115,19 @@ def test_deepspeeds_own_loads_are_weights_only(run, tmp_path):
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # restored for the rest of the process
 
 
+def test_the_float16_loss_scaler_loads_through_the_guard(tmp_path):
+    """fp16 checkpoints (a GPU's; this CPU may have no float16) hold DeepSpeed's DynamicLossScaler."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False, dtype=torch.float16)
+    torch.save({"loss_scaler": scaler, "zero_stage": ZeroStageEnum.gradients}, tmp_path / "shard.pt")
+    with fastpt_deepspeed.weights_only_loads(tmp_path):
+        loaded = torch.load(tmp_path / "shard.pt", weights_only=False)  # as DeepSpeed calls it
+    assert vars(loaded["loss_scaler"]) == vars(scaler) and loaded["zero_stage"] is ZeroStageEnum.gradients
+
+
 @pytest.mark.parametrize("tag", ["../../../../tmp/x", "global_step1/../../..", "/tmp/x", "global_step1/sub", ""])
 def test_a_deepspeed_tag_that_is_not_a_plain_step_folder_is_refused(tag, run, tiny_args, capfd):
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)

@@ -466,15 +466,19 @@ def test_deepspeed_runs_as_a_one_rank_job_without_torchrun(imdb_dir, cache_dir, 
 
 
 def test_bad_input_under_torchrun_is_one_line_and_a_plain_exit(imdb_dir, cache_dir, tmp_path):
-    """Both ranks refuse --deepspeed --amp (float16) on the CPU: rank 0 prints one line, no rank a traceback."""
-    out = tmp_path / "run"
+    """Both ranks refuse a --deepspeed-config that is not a JSON object: rank 0 prints one line, no rank a traceback.
+
+    (A check that needs the process group and DeepSpeed, whatever the CPU: float16 is refused or not by the CPU.)"""
+    out, config = tmp_path / "run", tmp_path / "ds.json"
+    config.write_text('[{"zero_optimization": {"stage": 2}}]\n')
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           str(ROOT / "train.py"), *flags(imdb_dir, cache_dir, out, "--deepspeed", "--amp")],
+                           str(ROOT / "train.py"),
+                           *flags(imdb_dir, cache_dir, out, "--deepspeed", "--deepspeed-config", str(config))],
                           env=env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --deepspeed --amp: DeepSpeed has no float16 on this device (cpu); "
-                      "use --amp-dtype bfloat16 or drop --amp"], proc.stderr[-3000:]
+    assert errors == [f"error: --deepspeed-config {config} holds an array, not a JSON object of DeepSpeed settings "
+                      f'({{"zero_optimization": ...}})'], proc.stderr[-3000:]
     assert not re.search(r'File "[^"]*(fastpt/|train\.py)', proc.stderr), proc.stderr[-3000:]  # no rank's traceback
     assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # a plain status 2 (torchrun then stops the other)
     assert not out.exists()
