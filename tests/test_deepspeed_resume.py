@@ -128,6 +128,20 @@ def test_the_float16_loss_scaler_loads_through_the_guard(tmp_path):
     assert vars(loaded["loss_scaler"]) == vars(scaler) and loaded["zero_stage"] is ZeroStageEnum.gradients
 
 
+def test_files_in_torchs_older_format_are_checked_too(tmp_path):
+    """DeepSpeed's "checkpoint_serialization": false writes torch's pre-zip format, which cannot be memory-mapped."""
+    folder = tmp_path / "checkpoints" / "deepspeed" / "global_step1"
+    folder.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}}, folder / "mp_rank_00_model_states.pt",
+               _use_new_zipfile_serialization=False)
+    fastpt_deepspeed.check_resume({"deepspeed_tag": "global_step1"}, tmp_path / "checkpoints")
+    marker = tmp_path / "MARKER"
+    torch.save({"module": Planted(marker)}, folder / "mp_rank_00_model_states.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match="it would import posix.system"):
+        fastpt_deepspeed.check_resume({"deepspeed_tag": "global_step1"}, tmp_path / "checkpoints")
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("tag", ["../../../../tmp/x", "global_step1/../../..", "/tmp/x", "global_step1/sub", ""])
 def test_a_deepspeed_tag_that_is_not_a_plain_step_folder_is_refused(tag, run, tiny_args, capfd):
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)

@@ -49,6 +49,7 @@ import pickle
 import re
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -215,15 +216,16 @@ def checked_tag(training: dict, ckpt_dir: Path) -> str:
 def check_resume(training: dict, ckpt_dir: Path) -> None:
     """Before any work: the tag, and every DeepSpeed file this process sees loads with weights_only.
 
-    Memory-mapped, so the tensors are not read; the load itself (`load_training_state`) checks
-    again on every rank, also the files only other nodes see.
+    Memory-mapped, so the tensors are not read (but for files written with DeepSpeed's
+    "checkpoint_serialization": false, torch's older format); the load itself
+    (`load_training_state`) checks again on every rank, also the files only other nodes see.
     """
     folder = ckpt_dir / "deepspeed"
     tag = checked_tag(training, ckpt_dir)
     for path in sorted([*(folder / tag).rglob("*.pt"), *(folder / f"{tag}-universal").rglob("*.pt")]):
         with weights_only_loads(path):
             try:
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
             except (RuntimeError, EOFError, OSError, ValueError) as e:
                 raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {e} "
                                       f"(corrupt or incomplete?)") from None
