@@ -118,8 +118,9 @@ def check_supported(cfg: TrainConfig, device: torch.device) -> None:
     """Point DeepSpeed at the run's device, and refuse before any work a precision it has no kernels for.
 
     DeepSpeed guesses its accelerator (and warns when it settles for the CPU); naming it keeps the
-    guess from disagreeing with --device. Its CPU accelerator has bfloat16 but no float16: without
-    this check the engine fails inside deepspeed.initialize, on every rank, after the run folder exists.
+    guess from disagreeing with --device. Its CPU accelerator has bfloat16, and float16 only where
+    oneDNN has float16 kernels (AVX512-FP16 or AMX-FP16): without this check the engine fails inside
+    deepspeed.initialize, on every rank, after the run folder exists.
     """
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if not cfg.amp:
