@@ -86,7 +86,7 @@ def _no_deepspeed(monkeypatch, inputs):
 
 
 class _AcceleratorWithoutFloat16:
-    """DeepSpeed's CPU accelerator where oneDNN has no float16 (no AVX512-FP16 or AMX-FP16), on any CPU."""
+    """DeepSpeed's CPU accelerator where oneDNN has no float16 (no AVX512-FP16 or AVX-NE-CONVERT), on any CPU."""
 
     def is_fp16_supported(self):
         return False

@@ -82,7 +82,8 @@ def snapshot(folder: Path) -> dict:
 
 # The engine's state, this rank's optimiser shard, and a universal conversion planted beside the tag (a resume on
 # another number of processes would read it instead of converting).
-@pytest.mark.parametrize("planted", ["{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt", "{tag}/mp_rank_00_model_states.pt",
+@pytest.mark.parametrize("planted", ["{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                     "{tag}/mp_rank_00_model_states.pt",
                                      "{tag}-universal/zero/classifier.bias/fp32.pt"])
 def test_a_crafted_deepspeed_file_is_refused_unopened(planted, run, tiny_args, tmp_path, capfd):
     marker = tmp_path / "MARKER"
@@ -234,7 +235,7 @@ def test_float16_trains_where_the_cpu_has_it(tiny_args, tmp_path):
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     if not CPU_Accelerator().is_fp16_supported():
-        pytest.skip("this CPU has no float16 kernels for DeepSpeed (oneDNN fp16: AVX512-FP16 or AMX-FP16)")
+        pytest.skip("this CPU has no float16 kernels for DeepSpeed (oneDNN fp16: AVX512-FP16 or AVX-NE-CONVERT)")
     out = tmp_path / "run"
     assert main(ds_args(tiny_args, out, "--amp", "--amp-dtype", "float16", "--device", "cpu", "--epochs", "1")) == 0
     assert json.loads((out / "results.json").read_text())["strategy"] == "deepspeed"

@@ -119,8 +119,8 @@ def check_supported(cfg: TrainConfig, device: torch.device) -> None:
 
     DeepSpeed guesses its accelerator (and warns when it settles for the CPU); naming it keeps the
     guess from disagreeing with --device. Its CPU accelerator has bfloat16, and float16 only where
-    oneDNN has float16 kernels (AVX512-FP16 or AMX-FP16): without this check the engine fails inside
-    deepspeed.initialize, on every rank, after the run folder exists.
+    oneDNN has float16 kernels (AVX512-FP16 or AVX-NE-CONVERT): without this check the engine fails
+    inside deepspeed.initialize, on every rank, after the run folder exists.
     """
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if not cfg.amp:
@@ -201,7 +201,7 @@ def weights_only_loads(folder: Path):
 
 
 def checked_tag(training: dict, ckpt_dir: Path) -> str:
-    """last.pt's DeepSpeed tag, accepted only as the folder name fastpt writes: global_stepN inside checkpoints/deepspeed.
+    """last.pt's DeepSpeed tag, accepted only as the name fastpt writes: a folder global_stepN in checkpoints/deepspeed.
 
     The tag becomes a path that DeepSpeed reads; a tag such as "../../elsewhere" would load files
     from outside the run folder.
