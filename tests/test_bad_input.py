@@ -90,6 +90,8 @@ def inputs(tmp_path_factory, imdb_dir, cache_dir) -> dict:
     (made["read_only"] / "earlier-run").mkdir(parents=True)
     made["not_json"] = root / "ds.json"
     made["not_json"].write_text("{ zero_optimization: stage 2 }\n")
+    made["json_array"] = root / "ds-array.json"
+    made["json_array"].write_text('[{"zero_optimization": {"stage": 2}}]\n')
     made["locked"] = root / "locked"
     made["locked"].mkdir()
     made["truncated_ckpt"] = root / "truncated-ckpt"
@@ -101,6 +103,24 @@ def inputs(tmp_path_factory, imdb_dir, cache_dir) -> dict:
 
 def _no_deepspeed(monkeypatch, inputs):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # importlib.util.find_spec then finds nothing
+
+
+class _AcceleratorWithoutFloat16:
+    """DeepSpeed's CPU accelerator where oneDNN has no float16 (no AVX512-FP16 or AVX-NE-CONVERT), on any CPU."""
+
+    def is_fp16_supported(self):
+        return False
+
+    def is_bf16_supported(self):
+        return True
+
+    def device_name(self):
+        return "cpu"
+
+
+def _deepspeed_without_float16(monkeypatch, inputs):
+    import deepspeed.accelerator
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", _AcceleratorWithoutFloat16)
 
 
 def _pre_ampere_gpu(monkeypatch, inputs):
@@ -224,12 +244,14 @@ CASES = [
     ("out in use by another run", ["--out", "{locked}"], _another_run_holds_the_folder,
      "is in use by another run (process 4242)", "{locked}"),
     # DeepSpeed: precision its accelerator lacks, a config that cannot be read.
-    ("deepspeed float16 on the CPU", ["--deepspeed", "--amp"], None, "DeepSpeed has no float16 on this device",
-     "{out}"),
+    ("deepspeed float16 on the CPU", ["--deepspeed", "--amp", "--device", "cpu"], _deepspeed_without_float16,
+     "DeepSpeed has no float16 on this device", "{out}"),
     ("deepspeed config missing", ["--deepspeed", "--deepspeed-config", "{empty}/ds.json", NO_OUT], None,
      "--deepspeed-config", None),
     ("deepspeed config not JSON", ["--deepspeed", "--deepspeed-config", "{not_json}"], None,
      "--deepspeed-config", "{out}"),
+    ("deepspeed config not an object", ["--deepspeed", "--deepspeed-config", "{json_array}"], None,
+     "holds an array, not a JSON object of DeepSpeed settings", "{out}"),
 ]
 
 

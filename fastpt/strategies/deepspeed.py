@@ -31,7 +31,10 @@ loader and the loop depend on are checked against the flags.
 Checkpoints: resume state goes through `engine.save_checkpoint` (every rank writes its shard;
 last.pt records the tag); a run on another number of processes loads it through DeepSpeed's
 universal checkpoint (`load_training_state`, ZeRO-1/2). `best.pt` holds the consolidated float32
-weights under their plain names, so it loads into a model without DeepSpeed.
+weights under their plain names, so it loads into a model without DeepSpeed. DeepSpeed reads its
+files with a full unpickler (`torch.load(weights_only=False)`), which runs whatever a crafted file
+asks; fastpt makes every one of those loads `weights_only=True`, admitting only the few DeepSpeed
+classes its checkpoints hold (`trusted_classes`), and takes last.pt's tag only as `global_stepN`.
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ import io
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -99,6 +105,10 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict:
         user = json.loads(Path(cfg.deepspeed_config).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--deepspeed-config {cfg.deepspeed_config}: {e}") from None
+    if not isinstance(user, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(user), "a number")
+        raise ValueError(f"--deepspeed-config {cfg.deepspeed_config} holds {kind}, not a JSON object of "
+                         f"DeepSpeed settings ({{\"zero_optimization\": ...}})")
     _check_user_config(user, generated)
     fixed = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "steps_per_print")
     return {**{k: generated[k] for k in fixed}, **user}
@@ -108,8 +118,9 @@ def check_supported(cfg: TrainConfig, device: torch.device) -> None:
     """Point DeepSpeed at the run's device, and refuse before any work a precision it has no kernels for.
 
     DeepSpeed guesses its accelerator (and warns when it settles for the CPU); naming it keeps the
-    guess from disagreeing with --device. Its CPU accelerator has bfloat16 but no float16: without
-    this check the engine fails inside deepspeed.initialize, on every rank, after the run folder exists.
+    guess from disagreeing with --device. Its CPU accelerator has bfloat16, and float16 only where
+    oneDNN has float16 kernels (AVX512-FP16 or AVX-NE-CONVERT): without this check the engine fails
+    inside deepspeed.initialize, on every rank, after the run folder exists.
     """
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if not cfg.amp:
@@ -138,6 +149,89 @@ def _check_user_config(user: dict, generated: dict) -> None:
                              f"but --amp/--amp-dtype say the opposite")
 
 
+# ---------------------------------------------------------------------------- loading its files safely
+
+def trusted_classes() -> list:
+    """The classes DeepSpeed pickles into its checkpoints, beyond tensors and plain containers.
+
+    Found by saving ZeRO-1, 2 and 3 checkpoints in float32 and bfloat16 and listing what
+    `torch.serialization.get_unsafe_globals_in_checkpoint` reports: the optimiser shards hold the
+    loss scaler object (DynamicLossScaler with float16), the ZeRO stage as an enum and, for stages
+    1-2, each parameter's place in the flat partition. The engine's model-states file holds none.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _names(classes: list) -> str:
+    return ", ".join(c.__name__ for c in classes)
+
+
+def _refused(path: Path, error: Exception) -> CheckpointError:
+    """The restricted unpickler's error as one line: which file, and what it would have imported."""
+    culprit = re.search(r"GLOBAL (\S+)|module (\S+) is blocked", str(error))
+    what = f"it would import {culprit.group(1) or culprit.group(2)}" if culprit else "it holds more than plain data"
+    return CheckpointError(f"refused to load {path}: {what}, an object fastpt does not trust (DeepSpeed checkpoints "
+                           f"load only tensors, plain data and DeepSpeed's {_names(trusted_classes())})")
+
+
+@contextlib.contextmanager
+def weights_only_loads(folder: Path):
+    """Every torch.load inside, DeepSpeed's included, made with weights_only=True and `trusted_classes`.
+
+    DeepSpeed passes weights_only=False itself (TorchCheckpointEngine.load, ds_to_universal, the
+    universal loader). TORCH_FORCE_WEIGHTS_ONLY_LOAD is torch's switch that overrides the argument
+    at every call; it is read per call, so setting it for the duration is enough.
+    """
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(trusted_classes()):
+            yield
+    except pickle.UnpicklingError as e:
+        raise _refused(folder, e) from None
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
+def checked_tag(training: dict, ckpt_dir: Path) -> str:
+    """last.pt's DeepSpeed tag, accepted only as the name fastpt writes: a folder global_stepN in checkpoints/deepspeed.
+
+    The tag becomes a path that DeepSpeed reads; a tag such as "../../elsewhere" would load files
+    from outside the run folder.
+    """
+    tag, folder = training.get("deepspeed_tag"), ckpt_dir / "deepspeed"
+    if not (isinstance(tag, str) and re.fullmatch(r"global_step\d+", tag)
+            and (folder / tag).resolve().parent == folder.resolve()):
+        raise CheckpointError(f"{ckpt_dir / 'last.pt'} names the DeepSpeed checkpoint {tag!r}, not a folder "
+                              f"global_stepN in {folder}; refusing to load it")
+    return tag
+
+
+def check_resume(training: dict, ckpt_dir: Path) -> None:
+    """Before any work: the tag, and every DeepSpeed file this process sees loads with weights_only.
+
+    Memory-mapped, so the tensors are not read (but for files written with DeepSpeed's
+    "checkpoint_serialization": false, torch's older format); the load itself
+    (`load_training_state`) checks again on every rank, also the files only other nodes see.
+    """
+    folder = ckpt_dir / "deepspeed"
+    tag = checked_tag(training, ckpt_dir)
+    for path in sorted([*(folder / tag).rglob("*.pt"), *(folder / f"{tag}-universal").rglob("*.pt")]):
+        with weights_only_loads(path):
+            try:
+                torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            except (RuntimeError, EOFError, OSError, ValueError) as e:
+                raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {e} "
+                                      f"(corrupt or incomplete?)") from None
+
+
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
 
@@ -145,6 +239,7 @@ class DeepSpeedStrategy(Strategy):
         """Build the engine: it moves the model to the device, casts it (--amp) and wraps the optimiser."""
         import deepspeed
 
+        forget_process_groups()  # an earlier run in this process that stopped before close() left them
         logging.getLogger("DeepSpeed").setLevel(logging.INFO if self.cfg.verbose else logging.ERROR)
         # DeepSpeed's own noise, once per rank: a print ("... shm_comm_op built successfully", on the CPU)
         # and torch's FutureWarning on the deprecated collectives it calls. Rank 0 shows them with --verbose.
@@ -256,7 +351,7 @@ class DeepSpeedStrategy(Strategy):
         stores every parameter's float32 weights and Adam moments whole, one folder each, and any
         number of processes loads it (`checkpoint.load_universal`).
         """
-        tag, folder = state["deepspeed_tag"], ckpt_dir / "deepspeed"
+        tag, folder = checked_tag(state, ckpt_dir), ckpt_dir / "deepspeed"
         # Every rank reads its own shard from disk: all must see the folder (a shared --out), or all
         # stop together with one line (a rank that raised alone would leave the others waiting).
         sees = any((folder / tag).glob("*model_states.pt"))  # the engine's state: node 0 alone writes it
@@ -266,12 +361,13 @@ class DeepSpeedStrategy(Strategy):
                                   f"{', '.join(map(str, unseen))}: --deepspeed resumes from every rank's shard, so "
                                   f"every node must see the same --out (a shared file system)")
         universal = state.get("world_size", _written_by(folder / tag)) != self.dist.world_size
-        load_tag = self._to_universal(folder, tag) if universal else tag
-        self.model._config.load_universal_checkpoint = universal  # read by load_checkpoint only
-        try:
-            path, _ = self.model.load_checkpoint(str(folder), tag=load_tag)
-        finally:
-            self.model._config.load_universal_checkpoint = False
+        with weights_only_loads(folder / tag):
+            load_tag = self._to_universal(folder, tag) if universal else tag
+            self.model._config.load_universal_checkpoint = universal  # read by load_checkpoint only
+            try:
+                path, _ = self.model.load_checkpoint(str(folder), tag=load_tag)
+            finally:
+                self.model._config.load_universal_checkpoint = False
         if path is None:
             raise CheckpointError(f"DeepSpeed checkpoint {folder / load_tag} is missing")
         self._previous_tag = tag
@@ -329,3 +425,29 @@ class DeepSpeedStrategy(Strategy):
 
     def close(self) -> None:
         self.model.destroy()  # release the engine's hooks and buffers
+        forget_process_groups()
+
+
+def forget_process_groups() -> None:
+    """Drop the process groups DeepSpeed keeps at module level, past the engine's destroy.
+
+    deepspeed.utils.groups holds a clone of the world group (and expert, model and data parallel
+    groups, a device mesh), and deepspeed.comm its backend (`cdb`) built on the world group. fastpt
+    destroys its process group at the end of every run, so a second run in the same process (a test,
+    a notebook) would find them pointing at a destroyed group: "Group ... is not registered" inside
+    deepspeed.initialize. Forgotten, the next deepspeed.initialize builds them again on the new group.
+    """
+    import importlib
+
+    from deepspeed.utils import groups
+
+    if hasattr(groups, "_release_process_group_references"):  # DeepSpeed >= 0.19: what its own teardown calls
+        groups._release_process_group_references(None)
+    else:
+        for name, value in list(vars(groups).items()):
+            if name.endswith("_GROUP") or name.endswith("_GROUP_RANKS") or name in ("mpu", "mesh_device"):
+                if isinstance(value, dict):
+                    value.clear()
+                else:
+                    setattr(groups, name, None)
+    importlib.import_module("deepspeed.comm.comm").cdb = None  # by path: the package re-exports other names
