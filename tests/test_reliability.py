@@ -465,27 +465,38 @@ def test_deepspeed_runs_as_a_one_rank_job_without_torchrun(imdb_dir, cache_dir, 
     assert not any(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"))
 
 
-def test_bad_input_under_torchrun_is_one_line_and_a_plain_exit(imdb_dir, cache_dir, tmp_path):
-    """Both ranks refuse an --out that holds another run: rank 0 prints one line, no rank a traceback.
+@pytest.mark.parametrize("found_by", ["rank 0", "every rank"])
+def test_bad_input_under_torchrun_is_one_line_and_a_plain_exit(imdb_dir, cache_dir, tmp_path, found_by):
+    """Both ranks refuse bad input: rank 0 prints one line, no rank a traceback.
 
-    The case depends on no hardware (DeepSpeed's float16, refused by one CPU, runs on another), and
-    rank 0 finds it and sends it to the others (run_folder.plan_out_dir), so it has printed its line
-    before any rank leaves and torchrun stops the rest. (A check every rank makes by itself, such as
-    a --deepspeed-config that is not a JSON object, lets rank 1 leave first often enough on a busy
-    machine that torchrun stops rank 0 before it prints.)"""
+    Rank 0 finds an --out that holds another run and sends it to the others (run_folder.plan_out_dir);
+    a --deepspeed-config that is not a JSON object every rank finds by itself, and torchrun stops
+    every worker once one has exited: the others wait for rank 0 to print (shell.exit_process).
+    Neither case depends on the hardware (DeepSpeed's float16 is refused by one CPU, runs on another)."""
     out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.json").write_text("{}\n")
+    if found_by == "rank 0":
+        out.mkdir()
+        (out / ".fastpt-run.json").write_text("{}\n")  # the marker: a fastpt run folder
+        (out / "config.json").write_text("{}\n")
+        extra = []
+        expected = (f"error: --out {out} holds another run (config.json); pass --overwrite to replace it, "
+                    f"--resume auto to continue it, or choose another folder")
+    else:
+        config = tmp_path / "ds.json"
+        config.write_text("[1, 2]\n")
+        extra = ["--deepspeed-config", str(config)]
+        expected = (f"error: --deepspeed-config {config} holds an array, not a JSON object of DeepSpeed settings "
+                    '({"zero_optimization": ...})')
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           str(ROOT / "train.py"), *flags(imdb_dir, cache_dir, out, "--deepspeed")],
+                           str(ROOT / "train.py"), *flags(imdb_dir, cache_dir, out, "--deepspeed", *extra)],
                           env=env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: --out {out} holds another run (config.json); pass --overwrite to replace it, "
-                      f"--resume auto to continue it, or choose another folder"], proc.stderr[-3000:]
+    assert errors == [expected], proc.stderr[-3000:]
     assert not re.search(r'File "[^"]*(fastpt/|train\.py)', proc.stderr), proc.stderr[-3000:]  # no rank's traceback
     assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # a plain status 2 (torchrun then stops the other)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json"]  # nothing written, the lock not left behind
+    assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before  # nothing written, no lock
 
 
 def test_stop_message_is_on_a_line_of_its_own(imdb_dir, cache_dir, tmp_path, monkeypatch, capfd):

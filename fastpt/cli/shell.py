@@ -36,6 +36,7 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 from fastpt.cli.args import parse_args
@@ -317,8 +318,15 @@ class CommandLine:
         return "nothing was kept"
 
 
+RANK_0_FIRST_S = 3.0
+
+
 def exit_process(status: int) -> None:
     """sys.exit(status); a torchrun worker leaves with os._exit instead (distributed.leave says why)."""
+    if status == EXIT_BAD_INPUT and os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
+        # torchrun stops every worker once one has exited. Bad input that each rank finds by itself
+        # (a flag, a config file) is printed by rank 0 alone: the others give it time to say it.
+        time.sleep(RANK_0_FIRST_S)
     if "torch.distributed" in sys.modules:  # --help and a bad flag never load torch
         from fastpt.machinery import distributed
         distributed.leave(status)
