@@ -48,7 +48,7 @@ def test_help_is_fast_and_shows_every_default_once(command):
     assert elapsed < 5, f"--help took {elapsed:.1f} s"
     entries = _help_entries(proc.stdout)
     for flag, default in (("--max-length", "512"), ("--lr", "5e-05"), ("--epochs", "3"), ("--amp-dtype", "float16"),
-                          ("--zero-stage", "2"), ("--monitor", "val_acc"), ("--log-every", "50"),
+                          ("--zero-stage", "2"), ("--monitor-metric", "val_acc"), ("--log-every", "50"),
                           ("--batch-size", "12")):
         assert entries[flag].count("(default") == 1 and f"(default: {default})" in entries[flag], entries[flag]
     for flag, entry in entries.items():
