@@ -41,7 +41,8 @@ from fastpt.cli.args import parse_args
 from fastpt.cli.run_folder import RunFinished, _run_folder_of
 from fastpt.loop.config import TrainConfig
 from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, ModelError, NonFiniteLoss,
-                                     StopRequested, one_line)
+                                     Requeued, StopRequested, one_line)
+from fastpt.machinery.signals import hold_warning_signal
 
 
 EXIT_BAD_INPUT = 2
@@ -113,6 +114,11 @@ def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
     cfg.num_workers, cfg.pin_memory = data.loader_settings(cfg, on_cuda, dist.local_world_size)
     if cfg.fused_adam is None:
         cfg.fused_adam = on_cuda
+    if cfg.progress and not sys.stderr.isatty():  # a batch job's log file: bars would redraw into it
+        cfg.progress = False  # a line every --log-every steps instead (bookkeeping.py)
+    if not cfg.progress:
+        import datasets
+        datasets.disable_progress_bars()  # nor the token cache's tokenising and saving bars
 
 
 # ---------------------------------------------------------------------------- notes on what runs
@@ -190,10 +196,12 @@ class CommandLine:
         self.notes: list[str] = []
         self.started = False  # the run folder has been written: failures are no longer "bad input"
         self.status = EXIT_FAILED
+        self.stack = contextlib.ExitStack()  # what exit_status undoes at the end
 
     def parse(self):
         """Flags and the checks that need no data; the device and, under torchrun, the process group."""
         self.cfg = cfg = parse_args(self.argv)
+        self.stack.enter_context(hold_warning_signal(cfg.requeue_signal))  # SLURM's warning: acted on once training runs
         check_environment(cfg)
         quiet_libraries(cfg.verbose)
         from fastpt.machinery import distributed  # torch: only once the flags are good
@@ -245,8 +253,8 @@ class CommandLine:
         """Runs the command's body; whatever stops it becomes one line on stderr and `self.status`."""
         from fastpt.machinery.signals import interrupt_on_signals
 
-        is_main = os.environ.get("RANK", "0") == "0"  # torchrun's rank, until the group exists
-        stack = contextlib.ExitStack()
+        is_main = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"  # until the group exists
+        stack = self.stack = contextlib.ExitStack()
         try:
             # Until the loop installs its graceful stop, SIGTERM and SIGINT stop the command at once.
             stack.enter_context(interrupt_on_signals())
@@ -275,8 +283,8 @@ class CommandLine:
         except StopRequested as e:
             if self.dist.is_main:
                 below_bar = "\n" if self.cfg.progress else ""  # a line of its own, not glued to the bar
-                print(f"{below_bar}stopped: {e}", file=sys.stderr)
-            self.status = EXIT_STOPPED
+                print(f"{below_bar}{'' if isinstance(e, Requeued) else 'stopped: '}{e}", file=sys.stderr)
+            self.status = 0 if isinstance(e, Requeued) else EXIT_STOPPED  # requeued: SLURM runs it again
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM while tokenising or building: nothing left behind
             from fastpt.machinery.signals import Interrupted
             if self.started and not isinstance(e, Interrupted):

@@ -6,7 +6,15 @@ message saying how to resume. A second signal exits at once (status 128 + signal
 checkpoints are written atomically, so even then no half-written file is left in place.
 
 Under torchrun every rank receives the signal; the flag is combined across ranks on a small
-gloo group (host memory, no GPU synchronisation) so all ranks stop after the same step.
+gloo group (host memory, no GPU synchronisation) so all ranks stop after the same step. The
+combined value is the signal's number (the largest, if ranks got different ones), so every rank
+knows which signal stopped the run.
+
+The warning signal (`--requeue-signal`, SIGUSR1 by default: what `sbatch --signal=USR1@90` sends
+before a time limit) stops the same way; under SLURM the job is then requeued (slurm.py). Its
+default action would kill the process, so from the command's start (`hold_warning_signal`) it is
+only remembered: one that arrives while the model loads stops the run at its first step, one after
+training is over changes nothing (a finished run is not requeued).
 
 Before training starts (model loading, tokenising, building) there is no step to finish:
 `interrupt_on_signals` makes SIGTERM, like SIGINT, raise `Interrupted` at once, so the command
@@ -64,9 +72,29 @@ def interrupt_on_signals():
             signal.signal(sig, handler)
 
 
+_held: list[int] = []  # the warning signal, if it arrived before GracefulStop was installed
+
+
+@contextlib.contextmanager
+def hold_warning_signal(name: str):
+    """Inside the block the signal `name` ("USR1") is remembered instead of killing the process
+    (GracefulStop acts on it). SIGTERM and SIGINT keep their start-up meaning (interrupt_on_signals)."""
+    signum = signal.Signals[f"SIG{name}"]
+    if signum in STOP_SIGNALS or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held.clear()
+    previous = signal.signal(signum, lambda sig, frame: _held.append(sig))
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
 class GracefulStop:
-    def __init__(self):
+    def __init__(self, warning_signal: int | None = None):
         self.signum = None
+        self.warning_signal = warning_signal
         self._previous = {}
         self._group = None
 
@@ -74,8 +102,12 @@ class GracefulStop:
         import torch.distributed as dist
 
         _training.set()
-        for sig in STOP_SIGNALS:
+        signals = dict.fromkeys(STOP_SIGNALS + ((self.warning_signal,) if self.warning_signal else ()))
+        for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self.warning_signal in _held:  # it came while the run was being built: stop at the first step
+            self.signum = self.warning_signal
+        _held.clear()
         if dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
         return self
@@ -96,8 +128,10 @@ class GracefulStop:
 
         if self._group is None:
             return self.signum is not None
-        flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)  # host memory: no GPU sync
-        dist.all_reduce(flag, group=self._group)
+        flag = torch.tensor([self.signum or 0], dtype=torch.int32)  # host memory: no GPU sync
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item() and self.signum is None:
+            self.signum = int(flag.item())  # another rank's signal: this rank stops for it too
         return bool(flag.item())
 
     def uninstall(self) -> None:
