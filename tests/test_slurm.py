@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -113,6 +114,70 @@ def test_array_tasks_are_requeued_by_their_array_name(monkeypatch):
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "100")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     assert slurm.job_to_requeue() == "100_3"
+
+
+# ---------------------------------------------------------------------------- in this process
+
+def _signal_at_step(monkeypatch, step: int, signum: int):
+    """Send `signum` to this process as optimiser step `step` begins."""
+    from fastpt.strategies.base import Strategy
+    original, calls = Strategy.optimizer_step, []
+
+    def optimizer_step(self):
+        calls.append(1)
+        if len(calls) == step:
+            os.kill(os.getpid(), signum)
+        return original(self)
+
+    monkeypatch.setattr(Strategy, "optimizer_step", optimizer_step)
+
+
+def test_usr1_stops_after_the_step_and_requeues_under_slurm(tiny_args, tmp_path, monkeypatch, capfd):
+    from train import main
+
+    _clear_launch_variables(monkeypatch)
+    out = tmp_path / "run"
+    _signal_at_step(monkeypatch, 3, signal.SIGUSR1)
+    assert main(tiny_args(out=out)) == 3  # outside SLURM: a graceful stop, as after SIGTERM
+    assert capfd.readouterr().err.strip().splitlines()[-1].startswith("stopped: SIGUSR1 at step 3, checkpoint saved")
+    assert last_step(out) == 3
+
+    asked = []
+    monkeypatch.setattr(slurm, "requeue", lambda job: asked.append(job))  # scontrol's success: None
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    _signal_at_step(monkeypatch, 3, signal.SIGUSR1)  # the resumed run's third step: step 6
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    assert main(tiny_args("--resume", "auto", out=out)) == 0  # requeued: SLURM runs it again
+    assert capfd.readouterr().err.strip().splitlines()[-1] == "signal USR1: saved step 6, job 123 requeued"
+    assert asked == ["123"] and last_step(out) == 6
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+
+
+def test_usr1_while_loading_stops_at_the_first_step(tiny_args, tmp_path, monkeypatch, capfd):
+    from fastpt.loop import run as run_module
+    from train import main
+
+    _clear_launch_variables(monkeypatch)
+    original = run_module.build_strategy
+
+    def build_strategy(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)  # SIGUSR1's default action would end the process here
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "build_strategy", build_strategy)
+    assert main(tiny_args(out=tmp_path / "run")) == 3
+    assert capfd.readouterr().err.strip().splitlines()[-1].startswith("stopped: SIGUSR1 at step 1")
+
+
+def test_a_log_file_gets_lines_not_bars(tiny_args, tmp_path, capfd):
+    """stderr not a terminal (a batch job's log): no tqdm bars, not even the token cache's; log lines."""
+    from train import main
+
+    args = [a for a in tiny_args("--cache-dir", str(tmp_path / "fresh"), out=tmp_path / "run") if a != "--no-progress"]
+    assert main(args) == 0
+    captured = capfd.readouterr()
+    assert "\r" not in captured.err and "it/s" not in captured.err and "examples/s" not in captured.err, captured.err
+    assert "step 2: loss" in captured.out and "step 4: loss" in captured.out
 
 
 # ---------------------------------------------------------------------------- the real SLURM

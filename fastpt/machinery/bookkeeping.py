@@ -140,7 +140,7 @@ class Bookkeeping:
             if not at_save:  # finish the step, keep it, then leave: never lose more than the step in flight
                 self.check_finite()
                 self.save_last()
-            requeued = slurm.requeue_after_stop(self.stopper.signum, self.stopper.warning_signal, self.dist.is_main)
+            requeued = slurm.requeue_after_stop(self.stopper, self.dist.is_main)
             if requeued:  # under SLURM, after its warning signal: the job runs again and continues from last.pt
                 raise Requeued(f"signal {self.stopper.signal_name.removeprefix('SIG')}: saved step "
                                f"{self.global_step}, {requeued}")

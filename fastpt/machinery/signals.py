@@ -134,6 +134,13 @@ class GracefulStop:
             self.signum = int(flag.item())  # another rank's signal: this rank stops for it too
         return bool(flag.item())
 
+    def ignore_signals(self) -> None:
+        """The run is leaving (a requeued SLURM job's tasks get SIGTERM): its signals are ignored from now
+        on, also after `uninstall`; the command line's own handlers put the original ones back at the end."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+        self._previous = {sig: signal.SIG_IGN for sig in self._previous}
+
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 
 
@@ -144,23 +143,22 @@ def requeue(job: str) -> str | None:
     return None
 
 
-def requeue_after_stop(signum: int | None, warning_signal: int, is_main: bool) -> str | None:
+def requeue_after_stop(stopper, is_main: bool) -> str | None:
     """After the warning signal, under SLURM, with last.pt written: rank 0 requeues the job.
 
-    Returns the console line when the job was requeued (every rank: all then exit with status 0),
-    None when it was not (another signal, not a SLURM job, or requeueing failed: rank 0 says why).
-    Every rank calls it: the outcome is sent to all.
+    Returns what happened for the console line when the job was requeued (every rank: all then
+    exit with status 0), None when it was not (another signal, not a SLURM job, or the job cannot
+    be requeued: rank 0 says why). Every rank calls it: the outcome is sent to all.
     """
     from fastpt.machinery import distributed
 
     job = job_to_requeue()
-    if signum != warning_signal or job is None:
+    if stopper.signum != stopper.warning_signal or job is None:
         return None
-    # Requeueing ends this run of the job: SLURM sends SIGTERM to every task, which would otherwise
-    # find the graceful stop still installed (a second signal: exit 143 at once). Nothing is left to
-    # save; the processes only need to leave, before SLURM's KillWait runs out and SIGKILL follows.
-    for sig in (signal.SIGTERM, warning_signal):
-        signal.signal(sig, signal.SIG_IGN)
+    # Requeueing ends this run of the job: SLURM sends SIGTERM to every task, which would find the
+    # graceful stop still installed (a second signal: exit 143 at once, the console line unsaid).
+    # Nothing is left to save; the processes only need to leave, before SLURM's KillWait runs out.
+    stopper.ignore_signals()
     failed = requeue(job) if is_main else None
     failed = distributed.broadcast_object(failed)
     if failed:
