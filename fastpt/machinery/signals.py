@@ -93,7 +93,8 @@ def hold_warning_signal(name: str):
 
 class GracefulStop:
     def __init__(self, warning_signal: int | None = None):
-        self.signum = None
+        self.signum = None  # this process's signal: a second one exits at once
+        self.agreed = None  # the signal all ranks stop for (requested())
         self.warning_signal = warning_signal
         self._previous = {}
         self._group = None
@@ -118,8 +119,12 @@ class GracefulStop:
         self.signum = signum
 
     @property
+    def stop_signal(self) -> int | None:
+        return self.agreed or self.signum
+
+    @property
     def signal_name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else "no signal"
+        return signal.Signals(self.stop_signal).name if self.stop_signal is not None else "no signal"
 
     def requested(self) -> bool:
         """True on every rank if any rank received a signal (a collective under torchrun)."""
@@ -130,9 +135,8 @@ class GracefulStop:
             return self.signum is not None
         flag = torch.tensor([self.signum or 0], dtype=torch.int32)  # host memory: no GPU sync
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if flag.item() and self.signum is None:
-            self.signum = int(flag.item())  # another rank's signal: this rank stops for it too
-        return bool(flag.item())
+        self.agreed = int(flag.item()) or None  # possibly another rank's signal: this rank stops for it too
+        return self.agreed is not None
 
     def ignore_signals(self) -> None:
         """The run is leaving (a requeued SLURM job's tasks get SIGTERM): its signals are ignored from now

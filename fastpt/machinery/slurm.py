@@ -153,7 +153,7 @@ def requeue_after_stop(stopper, is_main: bool) -> str | None:
     from fastpt.machinery import distributed
 
     job = job_to_requeue()
-    if stopper.signum != stopper.warning_signal or job is None:
+    if stopper.stop_signal != stopper.warning_signal or job is None:
         return None
     # Requeueing ends this run of the job: SLURM sends SIGTERM to every task, which would find the
     # graceful stop still installed (a second signal: exit 143 at once, the console line unsaid).
