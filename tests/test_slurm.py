@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -340,11 +341,13 @@ def test_a_requeued_job_continues_bitwise(cluster, imdb_dir, cache_dir, tmp_path
     try:
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
         wait_for(lambda: log_has(log, f"job {job} restart 1"), "the restart", timeout=400)
-        wait_for(lambda: log_has(log, "outputs:"), "the continued run's end", timeout=300)
-    finally:
+        wait_for(lambda: log_has(log, "srun status"), "the continued run's end", timeout=300)
+    except AssertionError:
         subprocess.run(["scancel", job])
+        raise
     text = log.read_text()
-    assert "resumed from step" in text and f"job {job} requeued" in text, text
+    saved = re.search(rf"^signal USR1: saved step (\d+), job {job} requeued$", text, re.M)
+    assert saved and f"resumed from step {saved.group(1)} " in text and "srun status 0" in text, text
     assert losses(out) == losses(tmp_path / "whole")
 
 
