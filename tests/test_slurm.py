@@ -267,13 +267,17 @@ def last_step(out: Path) -> int:
 
 
 def test_srun_ddp_follows_torchrun(cluster, imdb_dir, cache_dir, tmp_path):
-    by_srun = srun(train_args(imdb_dir, cache_dir, tmp_path / "srun", "--ddp"))
-    assert by_srun.returncode == 0, by_srun.stdout[-2000:] + by_srun.stderr[-3000:]
-    assert "strategy: ddp x2 on cpu" in by_srun.stdout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            *train_args(imdb_dir, cache_dir, tmp_path / "torchrun", "--ddp")]
-    by_torchrun = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert by_torchrun.returncode == 0, by_torchrun.stderr[-3000:]
+    torchrun = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # both at once: the reference runs beside the cluster, not in it
+        by_srun = srun(train_args(imdb_dir, cache_dir, tmp_path / "srun", "--ddp"))
+        _, torchrun_err = torchrun.communicate(timeout=300)
+    finally:
+        torchrun.kill()
+    assert by_srun.returncode == 0, by_srun.stdout[-2000:] + by_srun.stderr[-3000:]
+    assert "strategy: ddp x2 on cpu" in by_srun.stdout
+    assert torchrun.returncode == 0, torchrun_err[-3000:]
     assert losses(tmp_path / "srun") == losses(tmp_path / "torchrun")  # bitwise: the same ranks, the same sums
     assert results(tmp_path / "srun")["world_size"] == 2
 
@@ -288,44 +292,61 @@ def test_srun_tasks_without_a_strategy_are_refused(cluster, imdb_dir, cache_dir,
     assert not (tmp_path / "runs").exists()
 
 
-def _start_training(imdb_dir, cache_dir, tmp_path, *sbatch_options, extra=()):
-    """A 2-task sbatch job training 3 epochs; returns (job, log, out) once its second step is logged."""
-    out, log = tmp_path / "run", tmp_path / "job.log"
-    args = " ".join(train_args(imdb_dir, cache_dir, out, "--epochs", "3", "--resume", "auto", "--ddp", *extra))
+def _submit(imdb_dir, cache_dir, folder: Path, *sbatch_options) -> tuple[str, Path, Path]:
+    """A 2-task sbatch job training 3 epochs with --resume auto: (job, log, run folder)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out, log = folder / "run", folder / "job.log"
+    args = " ".join(train_args(imdb_dir, cache_dir, out, "--epochs", "3", "--resume", "auto", "--ddp"))
     job = sbatch(f'echo "job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}}"\n'
                  f"srun --kill-on-bad-exit=1 {sys.executable} {args}\necho \"srun status $?\"",
                  log, "--ntasks=2", *sbatch_options)
+    return job, log, out
+
+
+def _wait_for_training(job: str, log: Path) -> None:
+    """Until the job's second step is logged: mid-epoch (an epoch is 14 steps)."""
     try:
         wait_for(lambda: log_has(log, "\nstep 2:"), "the job's second step", timeout=240)
     except AssertionError:
         subprocess.run(["scancel", job])
         raise AssertionError(log.read_text()[-3000:] if log.is_file() else "no log")
-    return job, log, out
 
 
-def test_usr1_saves_last_pt_and_requeues_the_job(cluster, imdb_dir, cache_dir, tmp_path):
-    job, log, out = _start_training(imdb_dir, cache_dir, tmp_path, "--requeue")
+@pytest.fixture(scope="module")
+def signalled_jobs(cluster, imdb_dir, cache_dir, tmp_path_factory):
+    """Two --requeue jobs side by side (--overcommit: both fit on the 2-CPU node), signalled mid-epoch:
+    {"USR1": (job, log, out), "TERM": (...)}."""
+    root = tmp_path_factory.mktemp("signalled")
+    jobs = {name: _submit(imdb_dir, cache_dir, root / name, "--requeue", "--overcommit") for name in ("USR1", "TERM")}
     try:
-        subprocess.run(["scancel", "--signal=USR1", job], check=True)
-        line = wait_for(lambda: next((l for l in log.read_text().splitlines() if l.startswith("signal USR1")), None),
-                        "the requeue line", timeout=60)
-        step = last_step(out)
-        assert line == f"signal USR1: saved step {step}, job {job} requeued"
-        fields = wait_for(lambda: (f := job_fields(job)).get("JobState") in ("PENDING", "REQUEUED") and f,
-                          "the job back in the queue", timeout=30)
-        assert fields["Restarts"] == "1"
-        assert not (out / "results.json").exists()
+        for name, (job, log, _) in jobs.items():
+            _wait_for_training(job, log)
+        # USR1: what --signal=USR1@90 sends before the time limit; TERM: what preemption sends the tasks first
+        for name, (job, _, _) in jobs.items():
+            subprocess.run(["scancel", f"--signal={name}", job], check=True)
+        yield jobs
     finally:
-        subprocess.run(["scancel", job])  # not its restart: that waits out SLURM's requeue delay (the slow test)
+        for job, _, _ in jobs.values():  # the requeued one is not run again: that waits out SLURM's delay (slow)
+            subprocess.run(["scancel", job])
 
 
-def test_sigterm_saves_last_pt_and_stops_without_requeue(cluster, imdb_dir, cache_dir, tmp_path):
-    job, log, out = _start_training(imdb_dir, cache_dir, tmp_path, "--requeue")
-    subprocess.run(["scancel", "--signal=TERM", job], check=True)  # what preemption sends the tasks first
+def test_usr1_saves_last_pt_and_requeues_the_job(signalled_jobs):
+    job, log, out = signalled_jobs["USR1"]
+    line = wait_for(lambda: next((l for l in log.read_text().splitlines() if l.startswith("signal USR1")), None),
+                    "the requeue line", timeout=90)
+    assert line == f"signal USR1: saved step {last_step(out)}, job {job} requeued"
+    fields = wait_for(lambda: (f := job_fields(job)).get("JobState") in ("PENDING", "REQUEUED") and f,
+                      "the job back in the queue", timeout=30)
+    assert fields["Restarts"] == "1"
+    assert not (out / "results.json").exists()
+
+
+def test_sigterm_saves_last_pt_and_stops_without_requeue(signalled_jobs):
+    job, log, out = signalled_jobs["TERM"]
     wait_for(lambda: log_has(log, "srun status"), "the job's end", timeout=90)
     text = log.read_text()
-    step = last_step(out)
-    assert f"stopped: SIGTERM at step {step}, checkpoint saved; resume with --resume auto --out {out}" in text, text
+    assert (f"stopped: SIGTERM at step {last_step(out)}, checkpoint saved; resume with --resume auto --out {out}"
+            in text), text
     assert "srun status 3" in text and "requeued" not in text, text
     fields = wait_for(lambda: (f := job_fields(job)).get("JobState") not in ("RUNNING", "COMPLETING", None) and f,
                       "the job's end state", timeout=30)
@@ -337,7 +358,8 @@ def test_a_requeued_job_continues_bitwise(cluster, imdb_dir, cache_dir, tmp_path
     """USR1 mid-epoch, requeue, SLURM's delay, the restart: exactly the uninterrupted run's losses."""
     uninterrupted = srun(train_args(imdb_dir, cache_dir, tmp_path / "whole", "--epochs", "3", "--ddp"))
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    job, log, out = _start_training(imdb_dir, cache_dir, tmp_path, "--requeue")
+    job, log, out = _submit(imdb_dir, cache_dir, tmp_path, "--requeue")
+    _wait_for_training(job, log)
     try:
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
         wait_for(lambda: log_has(log, f"job {job} restart 1"), "the restart", timeout=400)
