@@ -66,9 +66,11 @@ def test_tasks_per_node_and_port():
 
 
 def _clear_launch_variables(monkeypatch):
+    """No launcher's variables; the test's own (join_srun_step sets torchrun's) are removed after it."""
     for name in [*SLURM_VARIABLES, "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT"]:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded as it was, so that the test's own value is undone too
+        monkeypatch.delenv(name)
 
 
 def test_an_srun_task_gets_torchrun_variables(monkeypatch):
@@ -170,9 +172,11 @@ def test_usr1_while_loading_stops_at_the_first_step(tiny_args, tmp_path, monkeyp
     assert capfd.readouterr().err.strip().splitlines()[-1].startswith("stopped: SIGUSR1 at step 1")
 
 
-def test_a_log_file_gets_lines_not_bars(tiny_args, tmp_path, capfd):
+def test_a_log_file_gets_lines_not_bars(tiny_args, tmp_path, monkeypatch, capfd):
     """stderr not a terminal (a batch job's log): no tqdm bars, not even the token cache's; log lines."""
     from train import main
+
+    _clear_launch_variables(monkeypatch)
 
     args = [a for a in tiny_args("--cache-dir", str(tmp_path / "fresh"), out=tmp_path / "run") if a != "--no-progress"]
     assert main(args) == 0
