@@ -12,7 +12,10 @@ parser and the variable translation are tested everywhere.
   `signal USR1: saved step N, job J requeued`, the job back in the queue (`scontrol show job`);
 - `scancel` (SIGTERM, as preemption sends): last.pt written, status 3, the job not requeued;
 - slow: the requeued job starts again after SLURM's delay (about two minutes) and finishes
-  with exactly the uninterrupted run's losses; the `srun torchrun` form passes the signal on.
+  with exactly the uninterrupted run's losses; the `srun torchrun` form passes the signal on; a
+  `--no-requeue` job says it was not requeued and stops with status 3.
+In-process (no SLURM needed): SIGUSR1 stops after the step, requeues under SLURM (scontrol
+replaced), is held while the model loads; a log file (stderr not a terminal) gets lines, no bars.
 """
 
 from __future__ import annotations
@@ -397,3 +400,15 @@ def test_srun_torchrun_passes_the_warning_signal_on(cluster, imdb_dir, cache_dir
         assert fields["Restarts"] == "1"
     finally:
         subprocess.run(["scancel", job])
+
+
+@pytest.mark.slow
+def test_a_job_that_may_not_be_requeued_stops_as_after_sigterm(cluster, imdb_dir, cache_dir, tmp_path):
+    job, log, out = _submit(imdb_dir, cache_dir, tmp_path, "--no-requeue")
+    _wait_for_training(job, log)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    wait_for(lambda: log_has(log, "srun status"), "the job's end", timeout=90)
+    text = log.read_text()
+    assert f"note: job {job} not requeued: the job does not allow it" in text, text
+    assert f"stopped: SIGUSR1 at step {last_step(out)}, checkpoint saved" in text and "srun status 3" in text, text
+    assert job_fields(job)["Restarts"] == "0"
