@@ -12,9 +12,9 @@ order: train.py calls it, in this order,
     return shell.status
 
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
-stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT after writing
-checkpoints/last.pt; 1 the run failed (e.g. the loss became NaN, the disk is full; earlier
-checkpoints are left untouched); 130 Ctrl-C, 143 SIGTERM before training started (what the new
+stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT (or --requeue-signal)
+after writing checkpoints/last.pt, 0 if that signal then requeued the SLURM job (machinery/slurm.py);
+1 the run failed (e.g. the loss became NaN, the disk is full; earlier checkpoints are left untouched); 130 Ctrl-C, 143 SIGTERM before training started (what the new
 run wrote removed, no run folder left; a resumed run's checkpoints as they were). Under torchrun
 every rank returns the same status and only rank 0 prints, except that each rank that lost contact with the others (--dist-timeout) says so: status 1.
 
