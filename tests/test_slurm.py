@@ -334,7 +334,7 @@ def signalled_jobs(cluster, imdb_dir, cache_dir, tmp_path_factory):
             subprocess.run(["scancel", f"--signal={name}", job], check=True)
         yield jobs
     finally:
-        for job, _, _ in jobs.values():  # the requeued one is not run again: that waits out SLURM's delay (slow)
+        for job, _, _ in jobs.values():  # whatever a failed test left running or queued
             subprocess.run(["scancel", job])
 
 
@@ -345,6 +345,7 @@ def test_usr1_saves_last_pt_and_requeues_the_job(signalled_jobs):
     assert line == f"signal USR1: saved step {last_step(out)}, job {job} requeued"
     fields = wait_for(lambda: (f := job_fields(job)).get("JobState") in ("PENDING", "REQUEUED") and f,
                       "the job back in the queue", timeout=30)
+    subprocess.run(["scancel", job])  # not run again here: that waits out SLURM's requeue delay (the slow test)
     assert fields["Restarts"] == "1"
     assert not (out / "results.json").exists()
 
