@@ -27,8 +27,8 @@ Read these, the lessons:
 Skip these on a first read, the machinery a real run needs:
     machinery/   bookkeeping (counters, device-side sums, logs), metrics (throughput, MFU, memory),
                  checkpoints (atomic, weights_only, RNG states), tracking (console, TensorBoard),
-                 signals (graceful stop), distributed (process group, collectives), resize (resume on
-                 another number of processes), errors
+                 signals (graceful stop), distributed (process group, collectives), slurm (srun's process
+                 group, requeue before a time limit), resize (resume on another number of processes), errors
     cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan)
 
 Imports go one way: cli/ may import everything; nothing outside cli/ imports it

@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=int, default=d.log_every, help="optimiser steps between log lines")
     g.add_argument("--save-every", type=int, default=None, help="write checkpoints/last.pt every N optimiser steps")
     g.add_argument("--resume", default=None, help="'auto' or a path to last.pt")
+    g.add_argument("--requeue-signal", default=d.requeue_signal, metavar="SIGNAL",
+                   help="the signal that stops like SIGTERM and, under SLURM, requeues the job (sbatch "
+                        f"--signal=USR1@90 --requeue; default: {d.requeue_signal})")
     g.add_argument("--export-dir", default=None,
                    help="at the end, write the tested weights, config (with label names) and tokenizer as a "
                         "Hugging Face model folder (transformers.pipeline loads it)")

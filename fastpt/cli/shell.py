@@ -12,12 +12,13 @@ order: train.py calls it, in this order,
     return shell.status
 
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
-stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT after writing
-checkpoints/last.pt; 1 the run failed (e.g. the loss became NaN, the disk is full; earlier
-checkpoints are left untouched); 130 Ctrl-C, 143 SIGTERM before training started (what the new
-run wrote removed, no run folder left; a resumed run's checkpoints as they were). Under torchrun
-every rank returns the same status and only rank 0 prints, except that each rank that lost
-contact with the others (--dist-timeout) says so: status 1.
+stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT (or --requeue-signal)
+after writing checkpoints/last.pt, 0 if that signal then requeued the SLURM job (machinery/slurm.py);
+1 the run failed (e.g. the loss became NaN, the disk is full; earlier checkpoints are left
+untouched); 130 Ctrl-C, 143 SIGTERM before training started (what the new run wrote removed, no
+run folder left; a resumed run's checkpoints as they were). Under torchrun every rank returns the
+same status and only rank 0 prints, except that each rank that lost contact with the others
+(--dist-timeout) says so: status 1.
 
 The order matters for "nothing written on bad input": every check that can fail on what the
 user passed (flags, environment, output places, the run folder, the resume checkpoint, the
@@ -43,7 +44,8 @@ from fastpt.cli.args import parse_args
 from fastpt.cli.run_folder import RunFinished, _run_folder_of
 from fastpt.loop.config import TrainConfig
 from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
-                                     StopRequested, one_line)
+                                     Requeued, StopRequested, one_line)
+from fastpt.machinery.signals import hold_warning_signal
 
 
 EXIT_BAD_INPUT = 2
@@ -106,6 +108,11 @@ def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
     cfg.num_workers, cfg.pin_memory = data.loader_settings(cfg, on_cuda, dist.local_world_size)
     if cfg.fused_adam is None:
         cfg.fused_adam = on_cuda
+    if cfg.progress and not sys.stderr.isatty():  # a batch job's log file: bars would redraw into it
+        cfg.progress = False  # a line every --log-every steps instead (bookkeeping.py)
+    if not cfg.progress:
+        import datasets
+        datasets.disable_progress_bars()  # nor the token cache's tokenising and saving bars
 
 
 # ---------------------------------------------------------------------------- notes on what runs
@@ -183,10 +190,12 @@ class CommandLine:
         self.notes: list[str] = []
         self.started = False  # the run folder has been written: failures are no longer "bad input"
         self.status = EXIT_FAILED
+        self.stack = contextlib.ExitStack()  # what exit_status undoes at the end
 
     def parse(self):
         """Flags and the checks that need no data; the device and, under torchrun, the process group."""
         self.cfg = cfg = parse_args(self.argv)
+        self.stack.enter_context(hold_warning_signal(cfg.requeue_signal))  # SLURM's warning: acted on once training runs
         check_environment(cfg)
         quiet_libraries(cfg.verbose)
         from fastpt.machinery import distributed  # torch: only once the flags are good
@@ -240,8 +249,8 @@ class CommandLine:
         """Runs the command's body; whatever stops it becomes one line on stderr and `self.status`."""
         from fastpt.machinery.signals import interrupt_on_signals
 
-        is_main = os.environ.get("RANK", "0") == "0"  # torchrun's rank, until the group exists
-        stack = contextlib.ExitStack()
+        is_main = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"  # until the group exists
+        stack = self.stack = contextlib.ExitStack()
         try:
             # Until the loop installs its graceful stop, SIGTERM and SIGINT stop the command at once.
             stack.enter_context(interrupt_on_signals())
@@ -271,8 +280,8 @@ class CommandLine:
         except StopRequested as e:
             if self.dist.is_main:
                 below_bar = "\n" if self.cfg.progress else ""  # a line of its own, not glued to the bar
-                print(f"{below_bar}stopped: {e}", file=sys.stderr)
-            self.status = EXIT_STOPPED
+                print(f"{below_bar}{'' if isinstance(e, Requeued) else 'stopped: '}{e}", file=sys.stderr)
+            self.status = 0 if isinstance(e, Requeued) else EXIT_STOPPED  # requeued: SLURM runs it again
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM while tokenising or building: nothing left behind
             from fastpt.machinery.signals import Interrupted
             if self.started and not isinstance(e, Interrupted):

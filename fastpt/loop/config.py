@@ -59,6 +59,10 @@ RESUME_SENSITIVE = (
 )
 
 
+# --requeue-signal: by name without SIG, as sbatch --signal writes it; the ones a job is sent and can catch.
+CATCHABLE_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "QUIT", "ALRM", "XCPU")
+
+
 @dataclass
 class TrainConfig:
     # What to train on.
@@ -135,6 +139,7 @@ class TrainConfig:
     log_every: int = 50
     save_every: Optional[int] = None
     resume: Optional[str] = None
+    requeue_signal: str = "USR1"  # SLURM's warning before a time limit: save, requeue the job (machinery/slurm.py)
     progress: bool = True
     tensorboard: bool = True
     verbose: bool = False
@@ -161,6 +166,9 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)} must be between 0 and 2**32 - 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        self.requeue_signal = self.requeue_signal.upper().removeprefix("SIG")
+        if self.requeue_signal not in CATCHABLE_SIGNALS:
+            raise ValueError(f"--requeue-signal {self.requeue_signal}: choose one of {', '.join(CATCHABLE_SIGNALS)}")
         if self.max_length > 512:
             raise ValueError(f"--max-length {self.max_length} exceeds the 512 positions of BERT-style models")
         if self.min_delta < 0:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,7 @@ class Run:
         self.val_compile_s = 0.0  # the part of val_time_s spent compiling evaluation graphs
         self.early_stopping = EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta)
         self.best = BestTracker(cfg.monitor_mode)
-        self.stopper = GracefulStop()
+        self.stopper = GracefulStop(warning_signal=signal.Signals[f"SIG{cfg.requeue_signal}"])  # slurm.py
 
         backends.configure(cfg, self.device, cache_root(cfg.cache_dir))
         sep_id = inputs.tokenizer.sep_token_id if pair_token_types(cfg, inputs.model_config) else None

@@ -23,8 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-from fastpt.machinery import distributed, metrics
-from fastpt.machinery.errors import NonFiniteLoss, StopRequested
+from fastpt.machinery import distributed, metrics, slurm
+from fastpt.machinery.errors import NonFiniteLoss, Requeued, StopRequested
 
 
 # float16 AMP hides a diverged run: the GradScaler skips every step whose gradients hold inf/NaN
@@ -140,6 +140,10 @@ class Bookkeeping:
             if not at_save:  # finish the step, keep it, then leave: never lose more than the step in flight
                 self.check_finite()
                 self.save_last()
+            requeued = slurm.requeue_after_stop(self.stopper, self.dist.is_main)
+            if requeued:  # under SLURM, after its warning signal: the job runs again and continues from last.pt
+                raise Requeued(f"signal {self.stopper.signal_name.removeprefix('SIG')}: saved step "
+                               f"{self.global_step}, {requeued}")
             raise StopRequested(f"{self.stopper.signal_name} at step {self.global_step}, checkpoint saved; "
                                 f"resume with --resume auto --out {shlex.quote(str(Path(self.out_dir).resolve()))}")
         self.step_start = time.perf_counter()

@@ -12,6 +12,9 @@ Multi-node is the same code: `torchrun --nnodes=2 --nproc_per_node=4 --rdzv-back
 from rank 0's files (the resume state, best.pt's weights) comes over the group (`broadcast_state`),
 and each node builds or reads its own token cache (token_cache.prepare_splits).
 
+Under SLURM, `srun --ntasks=N python train.py --ddp` works without torchrun: `init` first sets
+torchrun's variables from SLURM's (machinery/slurm.py).
+
 Elastic restarts (`torchrun --max-restarts=N`): torchrun's c10d rendezvous by default hands the
 workers a TCPStore that its agent hosts and keeps across restarts (TORCHELASTIC_USE_AGENT_STORE=True).
 The keys a killed group wrote stay in it, so in the next group the first rank to start reads
@@ -36,6 +39,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from fastpt.machinery import slurm
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ def init(device: str = "auto", needs_group: bool = False, timeout_s: int = 600) 
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA device is available")
+    slurm.join_srun_step(needs_group)  # `srun -n N python train.py --ddp`: torchrun's variables from SLURM's
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))

@@ -38,3 +38,7 @@ EXIT_STOPPED = 3
 
 class StopRequested(Exception):
     """Raised by the loop after it saved last.pt in answer to a signal."""
+
+
+class Requeued(StopRequested):
+    """The stop after SLURM's warning signal, with the job put back in the queue (slurm.py): status 0."""

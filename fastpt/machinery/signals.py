@@ -6,7 +6,15 @@ message saying how to resume. A second signal exits at once (status 128 + signal
 checkpoints are written atomically, so even then no half-written file is left in place.
 
 Under torchrun every rank receives the signal; the flag is combined across ranks on a small
-gloo group (host memory, no GPU synchronisation) so all ranks stop after the same step.
+gloo group (host memory, no GPU synchronisation) so all ranks stop after the same step. The
+combined value is the signal's number (the largest, if ranks got different ones), so every rank
+knows which signal stopped the run.
+
+The warning signal (`--requeue-signal`, SIGUSR1 by default: what `sbatch --signal=USR1@90` sends
+before a time limit) stops the same way; under SLURM the job is then requeued (slurm.py). Its
+default action would kill the process, so from the command's start (`hold_warning_signal`) it is
+only remembered: one that arrives while the model loads stops the run at its first step, one after
+training is over changes nothing (a finished run is not requeued).
 
 Before training starts (model loading, tokenising, building) there is no step to finish:
 `interrupt_on_signals` makes SIGTERM, like SIGINT, raise `Interrupted` at once, so the command
@@ -64,9 +72,30 @@ def interrupt_on_signals():
             signal.signal(sig, handler)
 
 
+_held: list[int] = []  # the warning signal, if it arrived before GracefulStop was installed
+
+
+@contextlib.contextmanager
+def hold_warning_signal(name: str):
+    """Inside the block the signal `name` ("USR1") is remembered instead of killing the process
+    (GracefulStop acts on it). SIGTERM and SIGINT keep their start-up meaning (interrupt_on_signals)."""
+    signum = signal.Signals[f"SIG{name}"]
+    if signum in STOP_SIGNALS or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held.clear()
+    previous = signal.signal(signum, lambda sig, frame: _held.append(sig))
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
 class GracefulStop:
-    def __init__(self):
-        self.signum = None
+    def __init__(self, warning_signal: int | None = None):
+        self.signum = None  # this process's signal: a second one exits at once
+        self.agreed = None  # the signal all ranks stop for (requested())
+        self.warning_signal = warning_signal
         self._previous = {}
         self._group = None
 
@@ -74,8 +103,12 @@ class GracefulStop:
         import torch.distributed as dist
 
         _training.set()
-        for sig in STOP_SIGNALS:
+        signals = dict.fromkeys(STOP_SIGNALS + ((self.warning_signal,) if self.warning_signal else ()))
+        for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self.warning_signal in _held:  # it came while the run was being built: stop at the first step
+            self.signum = self.warning_signal
+        _held.clear()
         if dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
         return self
@@ -86,8 +119,12 @@ class GracefulStop:
         self.signum = signum
 
     @property
+    def stop_signal(self) -> int | None:
+        return self.agreed or self.signum
+
+    @property
     def signal_name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else "no signal"
+        return signal.Signals(self.stop_signal).name if self.stop_signal is not None else "no signal"
 
     def requested(self) -> bool:
         """True on every rank if any rank received a signal (a collective under torchrun)."""
@@ -96,9 +133,17 @@ class GracefulStop:
 
         if self._group is None:
             return self.signum is not None
-        flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)  # host memory: no GPU sync
-        dist.all_reduce(flag, group=self._group)
-        return bool(flag.item())
+        flag = torch.tensor([self.signum or 0], dtype=torch.int32)  # host memory: no GPU sync
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        self.agreed = int(flag.item()) or None  # possibly another rank's signal: this rank stops for it too
+        return self.agreed is not None
+
+    def ignore_signals(self) -> None:
+        """The run is leaving (a requeued SLURM job's tasks get SIGTERM): its signals are ignored from now
+        on, also after `uninstall`; the command line's own handlers put the original ones back at the end."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+        self._previous = {sig: signal.SIG_IGN for sig in self._previous}
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
