@@ -84,8 +84,8 @@ def test_an_srun_task_gets_torchrun_variables(monkeypatch):
     for name, value in step.items():
         monkeypatch.setenv(name, value)
     slurm.join_srun_step(needs_group=True)
-    assert {name: os.environ[name] for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                 "MASTER_ADDR", "MASTER_PORT")} == {
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    assert {name: os.environ[name] for name in names} == {
         "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu03",
         "MASTER_PORT": "19242"}
     monkeypatch.delenv("SLURM_STEP_NODELIST")
@@ -340,7 +340,7 @@ def signalled_jobs(cluster, imdb_dir, cache_dir, tmp_path_factory):
 
 def test_usr1_saves_last_pt_and_requeues_the_job(signalled_jobs):
     job, log, out = signalled_jobs["USR1"]
-    line = wait_for(lambda: next((l for l in log.read_text().splitlines() if l.startswith("signal USR1")), None),
+    line = wait_for(lambda: next((x for x in log.read_text().splitlines() if x.startswith("signal USR1")), None),
                     "the requeue line", timeout=90)
     assert line == f"signal USR1: saved step {last_step(out)}, job {job} requeued"
     fields = wait_for(lambda: (f := job_fields(job)).get("JobState") in ("PENDING", "REQUEUED") and f,
@@ -393,7 +393,7 @@ def test_srun_torchrun_passes_the_warning_signal_on(cluster, imdb_dir, cache_dir
     try:
         wait_for(lambda: log_has(log, "\nstep 2:"), "the job's second step", timeout=240)
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
-        line = wait_for(lambda: next((l for l in log.read_text().splitlines() if l.startswith("signal USR1")), None),
+        line = wait_for(lambda: next((x for x in log.read_text().splitlines() if x.startswith("signal USR1")), None),
                         "the requeue line", timeout=60)
         assert line == f"signal USR1: saved step {last_step(out)}, job {job} requeued"
         fields = wait_for(lambda: (f := job_fields(job)).get("JobState") in ("PENDING", "REQUEUED") and f,

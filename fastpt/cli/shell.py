@@ -195,7 +195,8 @@ class CommandLine:
     def parse(self):
         """Flags and the checks that need no data; the device and, under torchrun, the process group."""
         self.cfg = cfg = parse_args(self.argv)
-        self.stack.enter_context(hold_warning_signal(cfg.requeue_signal))  # SLURM's warning: acted on once training runs
+        # SLURM's warning signal: held until training runs, then acted on
+        self.stack.enter_context(hold_warning_signal(cfg.requeue_signal))
         check_environment(cfg)
         quiet_libraries(cfg.verbose)
         from fastpt.machinery import distributed  # torch: only once the flags are good
