@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastpt.inputs import data
 from fastpt.machinery import bookkeeping
-from fastpt.speedups.device_data import DeviceLoader
+from fastpt.inputs.device_data import DeviceLoader
 from train import main
 
 

@@ -185,7 +185,7 @@ def test_tensorboard_layout_and_applicable_hparams(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    from fastpt.loop.config import TrainConfig
+    from fastpt.machinery.config import TrainConfig
     from fastpt.machinery.tracking import Tracker, applicable_hparams
 
     plain = applicable_hparams(TrainConfig().to_dict())

@@ -14,7 +14,7 @@ import torch
 from fastpt.inputs import own_data
 from fastpt.inputs.data import Collator, pair_token_types
 from fastpt.inputs.models import load_model, load_tokenizer
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.loop.evaluation import macro_f1
 from fastpt.machinery import checkpoint
 from train import main
@@ -224,7 +224,7 @@ def test_sentence_pairs_train_on_bert_with_token_types_and_pack_is_refused(own_a
     finally:
         Collator.__call__ = original
     assert seen and all(seen)
-    from fastpt.speedups import device_data
+    from fastpt.inputs import device_data
     built = []
     original_types = device_data.pair_token_types
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from fastpt.inputs import data
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.machinery import resize
 from fastpt.machinery.checkpoint import CheckpointError, load
 from train import main as train_main

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastpt.loop.config import RESUME_SENSITIVE, TrainConfig
+from fastpt.machinery.config import RESUME_SENSITIVE, TrainConfig
 
 
 RUN_FILES = ("config.json", "results.json", "checkpoints", "tb")

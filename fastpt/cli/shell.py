@@ -39,7 +39,7 @@ from pathlib import Path
 
 from fastpt.cli.args import parse_args
 from fastpt.cli.run_folder import RunFinished, _run_folder_of
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, ModelError, NonFiniteLoss,
                                      StopRequested, one_line)
 

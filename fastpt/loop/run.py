@@ -29,7 +29,7 @@ import torch
 from fastpt.inputs import data, own_data
 from fastpt.inputs.models import check_max_length, check_model_source, count_parameters, load_model, load_tokenizer
 from fastpt.inputs.token_cache import cache_root, prepare_splits
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
 from fastpt.loop.evaluation import evaluate, make_eval_sums, per_class
 from fastpt.loop.step import make_forward_loss
@@ -199,7 +199,7 @@ class Run:
                                                      dist.world_size, sort_by_length=cfg.varying_lengths)
                          for name in ("validation", "test")}
         if cfg.data_on_device:
-            from fastpt.speedups.device_data import DeviceLoader
+            from fastpt.inputs.device_data import DeviceLoader
             self.train_loader = DeviceLoader(self.splits["train"], self.train_sampler, collate, self.device)
             self.eval_loaders = {name: DeviceLoader(self.splits[name], sampler, collate, self.device)
                                  for name, sampler in eval_samplers.items()}

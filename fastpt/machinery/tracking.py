@@ -19,7 +19,7 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-from fastpt.loop.config import NEEDS
+from fastpt.machinery.config import NEEDS
 
 
 # Tags the run logs: train/loss per log step, epoch/<metric> per epoch.

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.machinery.distributed import DistInfo
 from fastpt.speedups.amp import MixedPrecision
 from fastpt.speedups.compile import apply_compile, mark_token_dim_dynamic

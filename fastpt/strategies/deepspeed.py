@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.machinery import distributed
 from fastpt.machinery.errors import CheckpointError
 from fastpt.strategies.base import Strategy, _local_bytes
