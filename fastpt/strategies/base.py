@@ -73,10 +73,14 @@ class Strategy:
         return apply_compile(fn, self.cfg.compile_mode, fullgraph=True)
 
     def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
-        """The article's Adam (lr 5e-5, no weight decay), fused into one kernel where asked or on CUDA.
+        """The article's Adam (lr 5e-5, no weight decay), fused where asked or on CUDA.
 
-        The fused implementation updates every parameter in one kernel instead of a handful
-        of kernels per parameter tensor; the maths is the same.
+        PyTorch's default Adam on CUDA is the foreach implementation: each step of Adam's update
+        (moments, bias correction, the weight update) is one multi-tensor kernel over the parameters,
+        so every tensor is read and written several times. The fused implementation does the whole
+        update in one kernel per group of tensors; the maths is the same. PyTorch does not make it
+        the default yet (torch/optim/adam.py: "bake-in time"). On the CPU the default is a loop
+        over the parameter tensors (no foreach kernels there); fused runs on the CPU too.
         """
         fused = self.cfg.fused_adam if self.cfg.fused_adam is not None else self.device.type == "cuda"
         return torch.optim.Adam(module.parameters(), lr=self.cfg.lr, fused=fused or None)
