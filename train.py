@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
 
 def cli() -> None:
-    """The `fastpt-train` command and `python -m fastpt`."""
+    """The `fastpt-train` command (installed as fastpt/start/train.py) and `python -m fastpt`."""
     exit_process(main())
 
 

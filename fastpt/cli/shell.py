@@ -55,7 +55,7 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM, likewise for a `kill` before training st
 def check_environment(cfg: TrainConfig) -> None:
     """Checks that need no data and no process group; ValueError on failure."""
     if cfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise ValueError("--deepspeed needs the deepspeed package (pip install deepspeed)")
+        raise ValueError("--deepspeed needs the deepspeed package: pip install '.[deepspeed]' (or pip install deepspeed)")
     if cfg.compile:
         from fastpt.speedups.compile import check_compile_supported
         check_compile_supported()
