@@ -18,19 +18,26 @@ from fastpt.cli.shell import CommandLine, exit_process
 def train(cfg, dist, inputs, out_dir, resume_state=None) -> dict:
     """One run: what Lightning's `Trainer.fit` and `Trainer.test` do, written out. Returns results.json."""
     from fastpt.loop.run import Run  # torch and transformers load here, after the flags: --help answers at once
-    from fastpt.loop.step import train_epoch
+    from fastpt.loop.step import max_steps_reached, train_epoch
+    from fastpt.machinery.errors import StopRequested
 
     # Build, in one fixed order: loaders -> model -> strategy (to device, compile, DDP / FSDP /
     # DeepSpeed, optimizer) -> bookkeeping; after a resume, last.pt's state (fastpt/loop/run.py).
     with Run(cfg, dist, inputs, out_dir, resume_state) as run:
-        book = run.book  # where the run is: epoch, step, sums kept on the device, logs, last.pt
-        while book.epoch < cfg.epochs and not run.early_stopping.stopped and not book.max_steps_reached():
+        bookkeeping = run.book  # where the run is: epoch, step, sums kept on the device, what is due
+        while (bookkeeping.epoch < cfg.epochs and not run.early_stopping.stopped
+               and not max_steps_reached(bookkeeping.global_step, cfg.max_steps)):
             run.start_epoch()  # this epoch's shuffle (after a resume: what is left of it)
-            train_metrics = train_epoch(run.strategy, run.train_loader, book, run.forward_loss)
+            for due in train_epoch(run.strategy, run.train_loader, bookkeeping, run.forward_loss, cfg.grad_accum,
+                                   cfg.max_steps):  # yields where last.pt is due: --save-every, or a signal
+                run.save_last()
+                if due.stop:
+                    raise StopRequested(due.stop)  # status 3; the message says how to resume
+            train_metrics = bookkeeping.end_epoch()
             val = run.evaluate("validation")  # no gradients, larger batches, every rank its share
             run.check_finite(val)  # a NaN validation loss stops the run: no best.pt from it
             monitored = val[cfg.monitor.removeprefix("val_")]  # --monitor val_acc (default), val_loss, val_macro_f1
-            improved = run.best.update(monitored, book.epoch + 1)  # strictly better than every epoch before
+            improved = run.best.update(monitored, bookkeeping.epoch + 1)  # strictly better than every epoch before
             if improved:
                 run.save_best(monitored)  # checkpoints/best.pt
             run.early_stopping.update(monitored)  # --early-stopping-patience: Lightning's rule, exactly

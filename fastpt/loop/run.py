@@ -163,7 +163,7 @@ class Run:
                                    lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak)
         if resume_state:
             self._restore(resume_state)
-        self.book = Bookkeeping(cfg, dist, out_dir, self.tracker, meter, self.stopper, self.save_last,
+        self.book = Bookkeeping(cfg, dist, out_dir, self.tracker, meter, self.stopper,
                                 self.strategy.skips_nonfinite_steps,
                                 lr=lambda: self.strategy.optimizer.param_groups[0]["lr"], resume=resume_state,
                                 step_was_skipped=self.strategy.step_was_skipped)
