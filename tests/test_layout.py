@@ -127,3 +127,21 @@ def test_the_runs_order_lives_in_train_py_alone():
     assert calls <= called(ROOT / "train.py")
     holders = {str(p.relative_to(ROOT)): sorted(calls & called(p)) for p in PACKAGE.rglob("*.py")}
     assert not {k: v for k, v in holders.items() if v}
+
+
+def imported_names(path: Path) -> list[tuple[str, str]]:
+    """(module, name) for every `from fastpt.module import name` in a file."""
+    return [(node.module, alias.name) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fastpt")
+            for alias in node.names]
+
+
+def test_no_private_name_crosses_a_module_and_errors_come_from_errors_py():
+    """A `_name` is its module's own; an error class is imported from machinery/errors.py, not through another module."""
+    files = [*PACKAGE.rglob("*.py"), ROOT / "train.py", *(ROOT / "tests").glob("*.py")]
+    private = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p) if n.startswith("_")] for p in files}
+    assert not {k: v for k, v in private.items() if v}
+    relayed = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p)
+                                          if (n.endswith("Error") or n in ("NonFiniteLoss", "StopRequested"))
+                                          and m != "fastpt.machinery.errors"] for p in files}
+    assert not {k: v for k, v in relayed.items() if v}

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from fastpt.machinery.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, _flag
+from fastpt.machinery.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, flag_name
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -181,5 +181,5 @@ def parse_args(argv=None) -> TrainConfig:
         if args[name] is None:  # not given: the dataclass default
             args[name] = getattr(TrainConfig, name)
         elif not present(args):
-            raise ValueError(f"--{_flag(name)} needs {switch}")
+            raise ValueError(f"--{flag_name(name)} needs {switch}")
     return TrainConfig(**args)

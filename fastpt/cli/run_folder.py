@@ -53,7 +53,7 @@ def check_output_folder(path: Path, flag: str) -> None:
         raise ValueError(f"{named}: cannot write in {existing} (read-only file system or no permission)")
 
 
-def _run_folder_of(checkpoint_path: Path) -> Path:
+def run_folder_of(checkpoint_path: Path) -> Path:
     return checkpoint_path.resolve().parent.parent  # <run>/checkpoints/last.pt
 
 
@@ -61,7 +61,7 @@ def choose_out(cfg: TrainConfig) -> Path:
     from fastpt.machinery import distributed
 
     if cfg.resume not in (None, "auto"):
-        return _run_folder_of(Path(cfg.resume))
+        return run_folder_of(Path(cfg.resume))
     if cfg.out:
         return Path(cfg.out)
     return Path("runs") / distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
@@ -143,7 +143,7 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     rank continues from the same state or stops with the same line.
     """
     from fastpt.machinery import distributed
-    from fastpt.machinery.checkpoint import CheckpointError
+    from fastpt.machinery.errors import CheckpointError
 
     if dist.world_size == 1:
         return read_out_dir(cfg, dist, out)
@@ -220,7 +220,7 @@ def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
 
 def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path: Path) -> None:
     from fastpt.machinery import resize
-    from fastpt.machinery.checkpoint import CheckpointError
+    from fastpt.machinery.errors import CheckpointError
 
     if not isinstance(state, dict) or not {"progress", "config", "training", "per_rank"} <= state.keys():
         raise CheckpointError(f"{path} is not a fastpt last.pt checkpoint")
@@ -236,7 +236,7 @@ def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: s
     --batch-size may then be the one the run was started with or one that keeps the global batch.
     """
     from fastpt.machinery import resize
-    from fastpt.machinery.checkpoint import CheckpointError
+    from fastpt.machinery.errors import CheckpointError
 
     resuming = batch_size_flag is not None
     for name in RESUME_SENSITIVE:

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from fastpt.cli.args import parse_args
-from fastpt.cli.run_folder import RunFinished, _run_folder_of
+from fastpt.cli.run_folder import RunFinished, run_folder_of
 from fastpt.machinery.config import TrainConfig
 from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, ModelError, NonFiniteLoss,
                                      StopRequested, one_line)
@@ -67,9 +67,9 @@ def check_environment(cfg: TrainConfig) -> None:
         # Under torchrun rank 0 alone looks for it (plan_out_dir): another node may not see the file.
         if "RANK" not in os.environ and not Path(cfg.resume).is_file():
             raise ValueError(f"--resume {cfg.resume}: no such checkpoint file")
-        if cfg.out and Path(cfg.out).resolve() != _run_folder_of(Path(cfg.resume)):
+        if cfg.out and Path(cfg.out).resolve() != run_folder_of(Path(cfg.resume)):
             raise ValueError(f"--resume {cfg.resume} continues in its own run folder "
-                             f"{_run_folder_of(Path(cfg.resume))}, not --out {cfg.out}; drop --out")
+                             f"{run_folder_of(Path(cfg.resume))}, not --out {cfg.out}; drop --out")
 
 
 def check_device_support(cfg: TrainConfig, dist) -> None:

@@ -61,7 +61,7 @@ from typing import Optional
 import numpy as np
 
 from fastpt.inputs import token_cache
-from fastpt.inputs.imdb import DataError
+from fastpt.machinery.errors import DataError
 
 
 CACHE_VERSION = 2  # 2: TSV without quotes, labels by read_label, the reading's notes kept

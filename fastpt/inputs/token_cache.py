@@ -24,6 +24,7 @@ import numpy as np
 
 from fastpt.inputs import imdb
 from fastpt.inputs.data import TokenizedSplit
+from fastpt.machinery.errors import DataError
 
 
 CACHE_VERSION = 2
@@ -205,7 +206,7 @@ def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer,
             if not _is_complete(path):
                 _build_once(source, tokenizer, path)
             outcome = ("ok", str(path))
-        except imdb.DataError as e:
+        except DataError as e:
             outcome = ("error", str(e))
     path = agree(gather(outcome), builder)
     return load_cache(path, max_length, ends_with_special_token(tokenizer)), path
@@ -216,10 +217,10 @@ def agree(outcomes: list, builder: int) -> Path:
     the first error anywhere, or nodes whose data differ, stop every rank with one line."""
     errors = [value for status, value in filter(None, outcomes) if status == "error"]
     if errors:
-        raise imdb.DataError(errors[0])
+        raise DataError(errors[0])
     keys = {Path(value).name for status, value in filter(None, outcomes)}  # the key: data + tokenizer
     if len(keys) > 1:
-        raise imdb.DataError(f"the nodes found different data ({', '.join(sorted(keys))}); "
+        raise DataError(f"the nodes found different data ({', '.join(sorted(keys))}); "
                              f"give every node the same --data-dir contents")
     return Path(outcomes[builder][1])
 
@@ -234,7 +235,7 @@ def build_once(path: Path, build) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_name(path.name + ".lock"), "a")
     except OSError as e:
-        raise imdb.DataError(f"cannot write the token cache in {path.parent}: {e.strerror or e} "
+        raise DataError(f"cannot write the token cache in {path.parent}: {e.strerror or e} "
                              f"(choose another {cache_setting(str(path.parent))})") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, also if the process dies

@@ -34,7 +34,8 @@ from fastpt.loop.early_stopping import BestTracker, EarlyStopping
 from fastpt.loop.evaluation import evaluate, make_eval_sums, per_class
 from fastpt.loop.step import make_forward_loss
 from fastpt.machinery import checkpoint, distributed, metrics
-from fastpt.machinery.bookkeeping import Bookkeeping, NonFiniteLoss
+from fastpt.machinery.bookkeeping import Bookkeeping
+from fastpt.machinery.errors import NonFiniteLoss
 from fastpt.machinery.signals import GracefulStop
 from fastpt.machinery.tracking import NullTracker, Tracker
 from fastpt.speedups import backends

@@ -52,6 +52,14 @@ class MixedPrecision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
+    def live_scale(self) -> tuple[torch.Tensor, float]:
+        """(the loss scale as the live device tensor, the scale it started from), read without a host sync.
+
+        GradScaler's public `get_scale()` calls `.item()` (the host waits for the device), so this reads
+        its private `_get_scale_async()` and `_init_scale` (torch 2.13's names), here and nowhere else.
+        """
+        return self.grad_scaler._get_scale_async(), self.grad_scaler._init_scale
+
     def state_dict(self) -> dict:
         return self.grad_scaler.state_dict() if self.grad_scaler.is_enabled() else {}
 

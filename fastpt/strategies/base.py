@@ -134,9 +134,9 @@ class Strategy:
         GradScaler halves its scale on every skipped step and lowers it at no other time (it doubles
         it after 2000 good steps in a row), so a scale below the previous step's marks a skip.
         """
-        scale = self.grad_scaler._get_scale_async()  # the live tensor: update() changes it in place
+        scale, initial = self.precision.live_scale()  # the live tensor: update() changes it in place
         # Before the first step: the scale it started from (the initial one, or the checkpoint's after a resume).
-        previous = self._previous_scale if self._previous_scale is not None else self.grad_scaler._init_scale
+        previous = self._previous_scale if self._previous_scale is not None else initial
         self._previous_scale = scale.clone()
         return scale < previous
 
@@ -169,17 +169,17 @@ class Strategy:
         params = list(self.module.parameters())
         optim = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return {
-            "param_bytes": sum(_local_bytes(p) for p in params),
+            "param_bytes": sum(local_bytes(p) for p in params),
             # Gradients are freed after each step; while held they take the parameters' layout.
-            "grad_bytes": sum(_local_bytes(p) for p in params if p.requires_grad),
-            "optimizer_bytes": sum(_local_bytes(t) for t in optim),
+            "grad_bytes": sum(local_bytes(p) for p in params if p.requires_grad),
+            "optimizer_bytes": sum(local_bytes(t) for t in optim),
         }
 
     def close(self) -> None:
         pass
 
 
-def _local_bytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for t: a DTensor's local shard, else the tensor."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()

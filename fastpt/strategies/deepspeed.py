@@ -51,7 +51,7 @@ import torch
 from fastpt.machinery.config import TrainConfig
 from fastpt.machinery import distributed
 from fastpt.machinery.errors import CheckpointError
-from fastpt.strategies.base import Strategy, _local_bytes
+from fastpt.strategies.base import Strategy, local_bytes
 
 
 def _written_by(tag_folder: Path) -> int:
@@ -308,21 +308,21 @@ class DeepSpeedStrategy(Strategy):
         if self.zero_stage == 3:
             param_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
         else:
-            param_bytes = sum(_local_bytes(p) for p in params)
+            param_bytes = sum(local_bytes(p) for p in params)
         if self.zero_stage == 3:
             masters = self.optimizer.fp32_partitioned_groups_flat
             # Without --amp the float32 partition is the parameter partition itself: no copy.
             shared = {t.data_ptr() for t in self.optimizer.fp16_partitioned_groups_flat}
         else:
             masters, shared = self.optimizer.single_partition_of_fp32_groups, set()
-        master_bytes = sum(_local_bytes(t) for t in masters if t.data_ptr() not in shared)
+        master_bytes = sum(local_bytes(t) for t in masters if t.data_ptr() not in shared)
         partition_numel = sum(t.numel() for t in masters)
         grad_numel = partition_numel if self.zero_stage >= 2 else sum(p.numel() for p in params)
         inner = self.optimizer.optimizer
         return {
             "param_bytes": param_bytes,
             "grad_bytes": grad_numel * params[0].element_size(),
-            "optimizer_bytes": sum(_local_bytes(t) for s in inner.state.values() for t in s.values()
+            "optimizer_bytes": sum(local_bytes(t) for s in inner.state.values() for t in s.values()
                                    if torch.is_tensor(t)),
             "master_param_bytes": master_bytes,
         }
