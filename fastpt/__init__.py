@@ -7,7 +7,8 @@ Read these, the lessons:
         step.py            the training step and the epoch loop, as the textbook writes them
         evaluation.py      no_grad evaluation, larger batches, split across ranks
         early_stopping.py  Lightning's EarlyStopping and best-checkpoint rules, exactly
-        run.py             the run's set-up: loaders, model, strategy, bookkeeping, in one order
+        build.py           the build step: inputs, loaders, model, strategy.setup, bookkeeping, as plain parts
+        record.py          the run's record: history, best epoch, early stopping, validation time
     speedups/    one module per single-device technique, each with what / why faster / cost / Lightning flag
         amp.py             mixed precision (autocast, GradScaler)
         compile.py         torch.compile, dynamic shapes, CUDA graphs
@@ -29,7 +30,8 @@ Skip these on a first read, the machinery a real run needs:
                  checkpoints (atomic, weights_only, RNG states), tracking (console, TensorBoard),
                  signals (graceful stop), distributed (process group, collectives), resize (resume on
                  another number of processes), errors
-    cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan)
+    cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan),
+                 outputs (what a run writes in its folder: best.pt, last.pt, results.json, the export)
 
 Imports go one way, down this order: cli/ -> loop/ -> strategies/ -> inputs/ -> speedups/ -> machinery/;
 no folder imports one above it (tests/test_layout.py holds that).

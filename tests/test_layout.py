@@ -137,9 +137,10 @@ def imported_names(path: Path) -> list[tuple[str, str]]:
 
 
 def test_no_private_name_crosses_a_module_and_errors_come_from_errors_py():
-    """A `_name` is its module's own; an error class is imported from machinery/errors.py, not through another module."""
+    """A `_name` is its module's own; an error class comes from machinery/errors.py, not through another module."""
     files = [*PACKAGE.rglob("*.py"), ROOT / "train.py", *(ROOT / "tests").glob("*.py")]
-    private = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p) if n.startswith("_")] for p in files}
+    private = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p) if n.startswith("_")]
+               for p in files}
     assert not {k: v for k, v in private.items() if v}
     relayed = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p)
                                           if (n.endswith("Error") or n in ("NonFiniteLoss", "StopRequested"))

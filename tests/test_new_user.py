@@ -67,7 +67,8 @@ def test_parsing_imports_neither_torch_nor_transformers():
 # ---------------------------------------------------------------------------- installing
 
 def requirement_lines(name: str) -> list[str]:
-    return [line.strip() for line in (ROOT / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
+    lines = (ROOT / name).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
 def test_requirements_match_pyproject():
@@ -88,7 +89,7 @@ def test_the_installed_packages_are_every_folder():
     folders = {"fastpt"} | {f"fastpt.{p.name}" for p in (ROOT / "fastpt").iterdir() if (p / "__init__.py").exists()}
     assert set(setuptools["packages"]) == folders | {"fastpt.start"}
     assert setuptools["package-dir"] == {"fastpt.start": "."}
-    assert [p.name for p in ROOT.glob("*.py")] == ["train.py"], "every .py file at the top is installed into fastpt/start"
+    assert [p.name for p in ROOT.glob("*.py")] == ["train.py"], "every top-level .py file goes into fastpt/start"
 
 
 def test_fresh_install_has_both_entry_points(tmp_path):

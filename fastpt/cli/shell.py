@@ -174,8 +174,6 @@ def quiet_libraries(verbose: bool) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 
-# ---------------------------------------------------------------------------- main
-
 # ---------------------------------------------------------------------------- the shell
 
 class CommandLine:

@@ -538,7 +538,7 @@ def reading_notes(cache_path: Path) -> list:
     return json.loads((Path(cache_path) / META).read_text()).get("notes", [])
 
 
-def prepare_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj], builder: int = 0):
+def prepare_own_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj], builder: int = 0):
     """(splits, cache path, label names, where the splits came from): token_cache.prepare_splits for --data."""
     outcome = None
     if builds:

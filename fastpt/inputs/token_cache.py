@@ -221,7 +221,7 @@ def agree(outcomes: list, builder: int) -> Path:
     keys = {Path(value).name for status, value in filter(None, outcomes)}  # the key: data + tokenizer
     if len(keys) > 1:
         raise DataError(f"the nodes found different data ({', '.join(sorted(keys))}); "
-                             f"give every node the same --data-dir contents")
+                        f"give every node the same --data-dir contents")
     return Path(outcomes[builder][1])
 
 
@@ -236,7 +236,7 @@ def build_once(path: Path, build) -> None:
         lock = open(path.with_name(path.name + ".lock"), "a")
     except OSError as e:
         raise DataError(f"cannot write the token cache in {path.parent}: {e.strerror or e} "
-                             f"(choose another {cache_setting(str(path.parent))})") from None
+                        f"(choose another {cache_setting(str(path.parent))})") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, also if the process dies
         if not _is_complete(path):  # another run may have built it while this one waited

@@ -15,9 +15,10 @@ the gradients. `forward_loss` (forward, loss and the batch's metric sums) is the
 Everything that is not the computation (step counters, the epoch's metric sums, the log
 window, the first non-finite loss, the throughput meter, signals, resume) lives in
 `bookkeeping.Bookkeeping`, which answers what is due and calls nothing back; last.pt is
-train.py's, handed up by `train_epoch` (a generator) when due. The strategy (`strategies/base.py`) holds what differs between one
-device, DDP, FSDP and DeepSpeed. Nothing here reads a value back from the device: losses and
-correct counts stay on it as sums, read at log steps.
+train.py's, handed up by `train_epoch` (a generator) when due. The strategy
+(`strategies/base.py`) holds what differs between one device, DDP, FSDP and DeepSpeed. Nothing
+here reads a value back from the device: losses and correct counts stay on it as sums, read at
+log steps.
 """
 
 from __future__ import annotations

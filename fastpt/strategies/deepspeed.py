@@ -10,8 +10,8 @@ Why it helps: training with Adam holds 16 bytes per parameter before activations
 for the weight, 4 for its gradient, 8 for Adam's two moments (optimiser state = 2x the weights).
 With 16-bit weights and float32 masters (--amp): 2 for the weight, 2 for the gradient, and 12 of
 optimiser state (4 for the float32 master, 4 + 4 for the moments) = 6x the 16-bit weights. DDP
-keeps all 16 bytes on every rank (under autocast the float32 layout, 4 + 4 + 8); on N ranks
-ZeRO-1 keeps 2 + 2 + 12/N, ZeRO-2 2 + 14/N, ZeRO-3 16/N. (DeepSpeed's stages 1-2 also keep a float32 copy of each rank's slice without --amp: 4/N
+keeps 16 on every rank (4 + 4 + 8 under autocast); on N ranks ZeRO-1 keeps 2 + 2 + 12/N, ZeRO-2 2 + 14/N, ZeRO-3
+16/N. (DeepSpeed's stages 1-2 also keep a float32 copy of each rank's slice without --amp: 4/N
 more.) Stage 2 communicates as much as DDP (reduce-scatter + all-gather = one all-reduce), so it
 is about as fast: the article measured 3.15 min on 4 A100s vs DDP's 3.52.
 
