@@ -17,29 +17,52 @@ from fastpt.cli.shell import CommandLine, exit_process
 
 def train(cfg, dist, inputs, out_dir, resume_state=None) -> dict:
     """One run: what Lightning's `Trainer.fit` and `Trainer.test` do, written out. Returns results.json."""
-    from fastpt.loop.run import Run  # torch and transformers load here, after the flags: --help answers at once
-    from fastpt.loop.step import train_epoch
+    # torch and transformers load here, after the flags: --help answers at once
+    from fastpt.cli import outputs
+    from fastpt.loop.build import build
+    from fastpt.loop.evaluation import evaluate
+    from fastpt.loop.step import max_steps_reached, train_epoch
+    from fastpt.strategies import build_strategy
 
-    # Build, in one fixed order: loaders -> model -> strategy (to device, compile, DDP / FSDP /
-    # DeepSpeed, optimizer) -> bookkeeping; after a resume, last.pt's state (fastpt/loop/run.py).
-    with Run(cfg, dist, inputs, out_dir, resume_state) as run:
-        book = run.book  # where the run is: epoch, step, sums kept on the device, logs, last.pt
-        while book.epoch < cfg.epochs and not run.early_stopping.stopped and not book.max_steps_reached():
-            run.start_epoch()  # this epoch's shuffle (after a resume: what is left of it)
-            train_metrics = train_epoch(run.strategy, run.train_loader, book, run.forward_loss)
-            val = run.evaluate("validation")  # no gradients, larger batches, every rank its share
-            run.check_finite(val)  # a NaN validation loss stops the run: no best.pt from it
+    strategy = build_strategy(cfg, dist)  # one device, DDP, FSDP or DeepSpeed (fastpt/strategies/)
+    # Build, in one fixed order: loaders -> model -> strategy.setup (to device, compile, DDP / FSDP /
+    # DeepSpeed, optimizer) -> forward_loss, eval_sums -> bookkeeping (fastpt/loop/build.py).
+    with build(cfg, dist, inputs, strategy, out_dir, resume_state) as parts:
+        loaders, bookkeeping, record, tracker = parts.loaders, parts.bookkeeping, parts.record, parts.tracker
+        ckpt_dir = out_dir / "checkpoints"
+        if resume_state:
+            outputs.restore(resume_state, ckpt_dir, dist, strategy, record)  # last.pt: weights, optimiser, RNG
+        while (bookkeeping.epoch < cfg.epochs and not record.early_stopping.stopped
+               and not max_steps_reached(bookkeeping.global_step, cfg.max_steps)):
+            # This epoch's shuffle (after a resume: what is left of it); its clock, sums and progress bar.
+            loaders.train_sampler.set_epoch(bookkeeping.epoch, bookkeeping.batch_in_epoch, record.epoch_offset)
+            bookkeeping.start_epoch(len(loaders.train))
+            for due in train_epoch(strategy, loaders.train, bookkeeping, parts.forward_loss, cfg.grad_accum,
+                                   cfg.max_steps):  # yields where last.pt is due: --save-every, or a signal
+                outputs.save_last(ckpt_dir, cfg, dist, strategy, bookkeeping, record, loaders.train_sampler)
+                if due.stop:  # status 3, the message saying how to resume; or SLURM requeues the job
+                    raise bookkeeping.stopped(due)
+            train_metrics = bookkeeping.end_epoch()  # the epoch's loss and accuracy over all ranks
+            # No gradients, larger batches, every rank its share; a NaN loss stops the run (no best.pt from it).
+            val = evaluate(strategy, loaders.validation, parts.eval_sums, tracker.bar(len(loaders.validation),
+                           "validation"), bookkeeping.compile_clock, len(inputs.label_names))
+            record.add_validation(val, bookkeeping)
             monitored = val[cfg.monitor.removeprefix("val_")]  # --monitor val_acc (default), val_loss, val_macro_f1
-            improved = run.best.update(monitored, book.epoch + 1)  # strictly better than every epoch before
+            improved = record.best.update(monitored, bookkeeping.epoch + 1)  # strictly better than every epoch before
             if improved:
-                run.save_best(monitored)  # checkpoints/best.pt
-            run.early_stopping.update(monitored)  # --early-stopping-patience: Lightning's rule, exactly
-            run.end_epoch(train_metrics, val, improved)  # the epoch's line, TensorBoard, last.pt
-        run.load_best()  # the weights to test: best.pt's (--test-on best), sent to every rank
-        test = run.evaluate("test")
-        results = run.report(test)  # results.json
-        if cfg.export_dir:
-            run.export()  # the tested weights as a Hugging Face model folder (pipeline loads it)
+                outputs.save_best(ckpt_dir, cfg, dist, strategy, bookkeeping.epoch + 1, bookkeeping.global_step,
+                                  monitored)
+            record.early_stopping.update(monitored)  # --early-stopping-patience: Lightning's rule, exactly
+            record.end_epoch(train_metrics, val, improved, bookkeeping, tracker)  # the epoch's line, TensorBoard
+            if cfg.save_every is not None:
+                outputs.save_last(ckpt_dir, cfg, dist, strategy, bookkeeping, record, loaders.train_sampler)
+        # The weights to test: best.pt's (--test-on best), sent to every rank.
+        record.tested_on = outputs.load_best(ckpt_dir, cfg.test_on, dist, strategy)
+        test = evaluate(strategy, loaders.test, parts.eval_sums, tracker.bar(len(loaders.test), "test"),
+                        bookkeeping.compile_clock, len(inputs.label_names))
+        results = outputs.write_results(tracker, cfg, dist, strategy, bookkeeping, record, inputs, loaders, test)
+        if cfg.export_dir:  # the tested weights as a Hugging Face model folder (pipeline loads it)
+            outputs.export(cfg.export_dir, dist, strategy, inputs, tracker)
         return results
 
 
@@ -48,7 +71,7 @@ def main(argv=None) -> int:
     shell = CommandLine(argv)
     with shell.exit_status():  # whatever stops the command below: one line on stderr, and its status
         cfg, dist = shell.parse()  # flags, checks, the device; under torchrun, the process group
-        from fastpt.loop.run import load_inputs
+        from fastpt.loop.build import load_inputs
         out_dir, resume_state = shell.claim_run_folder()  # its lock; a new run, or what last.pt resumes
         inputs = load_inputs(cfg, dist)  # tokenizer, model, tokenised splits: bad input stops here
         shell.start_run(inputs)  # the run folder's first write (config.json)
@@ -57,7 +80,7 @@ def main(argv=None) -> int:
 
 
 def cli() -> None:
-    """The `fastpt-train` command and `python -m fastpt`."""
+    """The `fastpt-train` command (installed as fastpt/start/train.py) and `python -m fastpt`."""
     exit_process(main())
 
 

@@ -7,30 +7,32 @@ Read these, the lessons:
         step.py            the training step and the epoch loop, as the textbook writes them
         evaluation.py      no_grad evaluation, larger batches, split across ranks
         early_stopping.py  Lightning's EarlyStopping and best-checkpoint rules, exactly
-        run.py             the run's set-up: loaders, model, strategy, bookkeeping, in one order
-        config.py          every setting of a run: one typed dataclass, validated once
+        build.py           the build step: inputs, loaders, model, strategy.setup, bookkeeping, as plain parts
+        record.py          the run's record: history, best epoch, early stopping, validation time
     speedups/    one module per single-device technique, each with what / why faster / cost / Lightning flag
         amp.py             mixed precision (autocast, GradScaler)
         compile.py         torch.compile, dynamic shapes, CUDA graphs
         packing.py         padding-free batches (varlen attention)
         bucketing.py       length-grouped batches
-        device_data.py     the tokenised data kept on the device
         backends.py        TF32, deterministic kernels, the compile cache
     strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first)
     inputs/      what the run trains on
         data.py            samplers, collators and DataLoaders (workers, pinned memory)
+        device_data.py     the tokenised data kept on the device, batches gathered there
         token_cache.py     IMDB tokenised once, cached, loaded in a second
         imdb.py            the articles' exact 35k/5k/10k split
         own_data.py        your own table (--data): read, checked, split, tokenised and cached the same way
         models.py          the models and tokenizers, online or offline
 
 Skip these on a first read, the machinery a real run needs:
-    machinery/   bookkeeping (counters, device-side sums, logs), metrics (throughput, MFU, memory),
+    machinery/   config (every setting of a run: one typed dataclass, validated once; read by every layer),
+                 bookkeeping (counters, device-side sums, logs), metrics (throughput, MFU, memory),
                  checkpoints (atomic, weights_only, RNG states), tracking (console, TensorBoard),
                  signals (graceful stop), distributed (process group, collectives), slurm (srun's process
                  group, requeue before a time limit), resize (resume on another number of processes), errors
-    cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan)
+    cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan),
+                 outputs (what a run writes in its folder: best.pt, last.pt, results.json, the export)
 
-Imports go one way: cli/ may import everything; nothing outside cli/ imports it
-(tests/test_layout.py holds that).
+Imports go one way, down this order: cli/ -> loop/ -> strategies/ -> inputs/ -> speedups/ -> machinery/;
+no folder imports one above it (tests/test_layout.py holds that).
 """

@@ -1,7 +1,8 @@
 """`python -m fastpt ...`: the same command line as `python train.py ...`.
 
-train.py sits beside the fastpt package, in the repository and where `pip install .` puts it; it is
-loaded from there, so another train.py in the current folder is never picked up instead.
+train.py sits beside the fastpt package in the repository, and in fastpt/start/ where `pip install .`
+puts it (pyproject.toml); it is loaded from there by its path, so another train.py in the current
+folder is never picked up instead.
 """
 
 import importlib.util
@@ -9,8 +10,14 @@ import sys
 from pathlib import Path
 
 
+def train_py() -> Path:
+    package = Path(__file__).resolve().parent
+    installed = package / "start" / "train.py"
+    return installed if installed.exists() else package.parent / "train.py"
+
+
 if __name__ == "__main__":
-    spec = importlib.util.spec_from_file_location("train", Path(__file__).resolve().parent.parent / "train.py")
+    spec = importlib.util.spec_from_file_location("train", train_py())
     train = importlib.util.module_from_spec(spec)
     sys.modules["train"] = train
     spec.loader.exec_module(train)

@@ -15,8 +15,8 @@ All three measure time the same way (fastpt's): `train_time_s` = training + vali
 every epoch, without setup, checkpoint writing or the test; samples/s over the training
 steps after 3 warm-up steps. "process wall" is the whole process, imports included.
 
-Lightning is optional: `pip install -r requirements-peers.txt`. Without it, the Lightning
-rows are reported as not run.
+Lightning and accelerate are optional: `pip install '.[peers]'` (or `-r requirements-peers.txt`).
+Without one, its rows are reported as not run.
 """
 
 from __future__ import annotations
@@ -302,10 +302,10 @@ def main(argv=None) -> int:
         print(f"error: unknown configurations/frameworks {unknown}, or fastpt missing, or --repeats < 1",
               file=sys.stderr)
         return 2
-    if "lightning" in frameworks and importlib.util.find_spec("lightning") is None:
-        print("note: lightning is not installed (pip install -r requirements-peers.txt); its rows are left out",
-              file=sys.stderr)
-        frameworks.remove("lightning")
+    for peer in ("lightning", "accelerate"):
+        if peer in frameworks and importlib.util.find_spec(peer) is None:
+            print(f"note: {peer} is not installed (pip install '.[peers]'); its rows are left out", file=sys.stderr)
+            frameworks.remove(peer)
     data_dir = args.data_dir or default_data_dir()
     data_flags = data_args(data_dir, args.cache_dir)
     runs_dir = Path(args.runs_dir or ROOT / "runs" / f"compare-peers-{args.preset}").resolve()

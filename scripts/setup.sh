@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (once) and installs fastpt's runtime into it: torch, requirements.txt, the offline
-# MiniLM. Safe to run again. What the tests need on top (pytest, Lightning, matplotlib) is
-# installed by scripts/test.sh.
+# MiniLM. Safe to run again. What the tests need on top (requirements-dev.txt: deepspeed,
+# accelerate, Lightning, pytest, matplotlib) is installed by scripts/test.sh.
 #   FASTPT_TORCH   the torch to install first (default torch==2.13.0; e.g. "torch==2.13.0 --index-url ..." for a CUDA build)
 #   FASTPT_VENV    where the venv lives (default .venv in the repository)
 set -euo pipefail

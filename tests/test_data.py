@@ -12,6 +12,7 @@ from conftest import tar_folder, write_imdb
 
 from fastpt.inputs import data, imdb, token_cache
 from fastpt.inputs.models import load_tokenizer
+from fastpt.machinery.errors import DataError
 
 
 # From shared/data/README.md: the article's split, fingerprinted.
@@ -30,7 +31,7 @@ def real_data_source():
         return None
     try:
         return imdb.find_source(root)
-    except imdb.DataError:
+    except DataError:
         return None
 
 
@@ -80,18 +81,18 @@ def test_labelled_tarball_name_is_found(tmp_path):
 
 
 def test_loader_errors_are_clear(tmp_path):
-    with pytest.raises(imdb.DataError, match="no IMDB data in"):
+    with pytest.raises(DataError, match="no IMDB data in"):
         imdb.find_source(str(tmp_path))
     corrupt = tmp_path / "aclImdb_v1.tar.gz"
     corrupt.write_bytes(b"\x1f\x8b\x08\x00 definitely not a tarball")
-    with pytest.raises(imdb.DataError, match="cannot read"):
+    with pytest.raises(DataError, match="cannot read"):
         imdb.read_reviews(corrupt)
     wrong = tmp_path / "wrong.tar.gz"
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x.txt").write_text("hello")
     with tarfile.open(wrong, "w:gz") as tar:
         tar.add(tmp_path / "other", arcname="other")
-    with pytest.raises(imdb.DataError, match="has no aclImdb/test/pos"):
+    with pytest.raises(DataError, match="has no aclImdb/test/pos"):
         imdb.read_reviews(wrong)
 
 
@@ -99,7 +100,7 @@ def test_offline_download_fails_with_advice(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FASTPT_DATA_DIR", raising=False)
     monkeypatch.setattr(imdb, "URL", "http://127.0.0.1:9/aclImdb_v1.tar.gz")  # nothing listens there
-    with pytest.raises(imdb.DataError, match="--data-dir"):
+    with pytest.raises(DataError, match="--data-dir"):
         imdb.find_source(None)
     assert not list((tmp_path / "data").glob("*.part"))
 

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.strategies.deepspeed import deepspeed_config
 
 

@@ -26,7 +26,7 @@ import torch
 
 from fastpt.inputs import data, token_cache
 from fastpt.inputs.models import load_model, load_tokenizer
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.loop.evaluation import evaluate
 from fastpt.machinery.checkpoint import load, load_model_weights
 from fastpt.machinery.distributed import DistInfo

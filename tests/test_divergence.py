@@ -104,7 +104,7 @@ def test_deepspeed_fp16_skips_are_read_from_the_engine_counter():
 
 def test_the_grad_scaler_skips_are_seen_on_the_device():
     """The single-device strategy reads skips from GradScaler's scale, from the first step on."""
-    from fastpt.loop.config import TrainConfig
+    from fastpt.machinery.config import TrainConfig
     from fastpt.machinery.distributed import DistInfo
     from fastpt.strategies.base import Strategy
 

@@ -37,7 +37,7 @@ def main() -> None:
     from torch.distributed.tensor import DTensor
 
     sys.path.insert(0, str(ROOT))
-    from fastpt.loop.config import TrainConfig
+    from fastpt.machinery.config import TrainConfig
     from fastpt.machinery.distributed import DistInfo, leave
     from fastpt.strategies.fsdp import FSDPStrategy
 

@@ -135,10 +135,10 @@ def test_results_time_validation_without_its_compilation(tiny_args, tmp_path, mo
     """val_time_no_compile_s leaves out the host time of the evaluation calls that compiled a graph."""
     import torch._dynamo.utils as dynamo_utils
 
-    from fastpt.loop import run
+    from fastpt.loop import build
     from train import main
 
-    make_eval_sums, calls = run.make_eval_sums, []
+    make_eval_sums, calls = build.make_eval_sums, []
     monkeypatch.setitem(dynamo_utils.counters["stats"], "unique_graphs",
                         dynamo_utils.counters["stats"]["unique_graphs"])  # restored after the test
 
@@ -158,7 +158,7 @@ def test_results_time_validation_without_its_compilation(tiny_args, tmp_path, mo
             return sums
         return first_call_compiles
 
-    monkeypatch.setattr(run, "make_eval_sums", compiling_once)
+    monkeypatch.setattr(build, "make_eval_sums", compiling_once)
     assert main(tiny_args("--epochs", "2", "--train-size", "16", "--eval-batch-size", "8", out=tmp_path / "run")) == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["epochs_run"] == 2 and len(calls) == 2 * 2 + 4  # two validations of 2 batches, test of 4

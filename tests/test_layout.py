@@ -1,5 +1,6 @@
 """The package's folders are its map (fastpt/__init__.py): the layers that teach never import the shell,
-and the run's order lives in train.py alone."""
+imports between folders go one way (down the map's layer order, never in a cycle), and the run's order
+lives in train.py alone."""
 
 import ast
 from pathlib import Path
@@ -39,11 +40,77 @@ def test_the_detector_sees_a_shell_import_inside_a_function(tmp_path):
     assert {"fastpt.cli.shell", "fastpt.cli.args"} <= imported_modules(module)
 
 
+# The layers from the bottom up: a folder imports only folders below it (machinery/ holds the config,
+# which every layer reads; cli/ is the shell on top).
+LAYERS = ["machinery", "speedups", "inputs", "strategies", "loop", "cli"]
+
+
+def folder_imports(package: Path) -> dict[tuple[str, str], list[str]]:
+    """(importing folder, imported folder) -> the modules behind that edge, for every edge between two folders."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).parts
+        if len(parts) < 2:
+            continue
+        for module in imported_modules(path):
+            names = module.split(".")
+            if names[0] == package.name and len(names) > 1 and names[1] != parts[0]:
+                edges.setdefault((parts[0], names[1]), []).append(f"{'/'.join(parts)} -> {module}")
+    return edges
+
+
+def folder_cycle(edges) -> list[str]:
+    """One cycle among the folders ([] if none), found by a depth-first walk."""
+    graph: dict[str, set[str]] = {}
+    for source, target in edges:
+        graph.setdefault(source, set()).add(target)
+    done, path = set(), []
+
+    def walk(folder):
+        if folder in path:
+            return path[path.index(folder):] + [folder]
+        if folder in done:
+            return []
+        path.append(folder)
+        for target in sorted(graph.get(folder, ())):
+            if cycle := walk(target):
+                return cycle
+        path.pop()
+        done.add(folder)
+        return []
+
+    for folder in sorted(graph):
+        if cycle := walk(folder):
+            return cycle
+    return []
+
+
+def test_no_folder_imports_upward_or_in_a_cycle():
+    edges = folder_imports(PACKAGE)
+    assert edges, "the walk found no imports between folders"
+    assert not folder_cycle(edges), f"folders import each other in a cycle: {' -> '.join(folder_cycle(edges))}"
+    upward = {f"{s} -> {t}": v for (s, t), v in edges.items() if LAYERS.index(t) > LAYERS.index(s)}
+    assert not upward, f"imports against the layer order {LAYERS}: {upward}"
+
+
+def test_the_cycle_detector_sees_a_cycle_between_two_folders(tmp_path):
+    """A canary: strategies/ importing loop/ while loop/ imports strategies/ (as before the config moved) fails."""
+    package = tmp_path / "fastpt"
+    for folder, imported in (("loop", "fastpt.strategies.base"), ("strategies", "fastpt.loop.config"),
+                             ("machinery", "os")):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "m.py").write_text(f"def f():\n    import {imported}\n")
+    edges = folder_imports(package)
+    assert set(edges) == {("loop", "strategies"), ("strategies", "loop")}
+    assert folder_cycle(edges) in (["loop", "strategies", "loop"], ["strategies", "loop", "strategies"])
+    assert folder_cycle({("loop", "strategies"): []}) == []
+
+
 def test_every_module_sits_in_a_layer_folder():
     loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert not loose, f"modules outside a layer folder: {loose}"
     layers = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert layers == ["cli", "inputs", "loop", "machinery", "speedups", "strategies"]
+    assert layers == sorted(LAYERS)
     described = (PACKAGE / "__init__.py").read_text()
     for layer in layers:
         assert f"{layer}/" in described, f"fastpt/__init__.py's map does not describe {layer}/"
@@ -60,3 +127,22 @@ def test_the_runs_order_lives_in_train_py_alone():
     assert calls <= called(ROOT / "train.py")
     holders = {str(p.relative_to(ROOT)): sorted(calls & called(p)) for p in PACKAGE.rglob("*.py")}
     assert not {k: v for k, v in holders.items() if v}
+
+
+def imported_names(path: Path) -> list[tuple[str, str]]:
+    """(module, name) for every `from fastpt.module import name` in a file."""
+    return [(node.module, alias.name) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fastpt")
+            for alias in node.names]
+
+
+def test_no_private_name_crosses_a_module_and_errors_come_from_errors_py():
+    """A `_name` is its module's own; an error class comes from machinery/errors.py, not through another module."""
+    files = [*PACKAGE.rglob("*.py"), ROOT / "train.py", *(ROOT / "tests").glob("*.py")]
+    private = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p) if n.startswith("_")]
+               for p in files}
+    assert not {k: v for k, v in private.items() if v}
+    relayed = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p)
+                                          if (n.endswith("Error") or n in ("NonFiniteLoss", "StopRequested"))
+                                          and m != "fastpt.machinery.errors"] for p in files}
+    assert not {k: v for k, v in relayed.items() if v}

@@ -66,11 +66,30 @@ def test_parsing_imports_neither_torch_nor_transformers():
 
 # ---------------------------------------------------------------------------- installing
 
+def requirement_lines(name: str) -> list[str]:
+    lines = (ROOT / name).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
 def test_requirements_match_pyproject():
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    listed = [line.strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
-    assert listed == declared
+    """requirements.txt is the runtime; the extras are optional for a user, installed for the tests."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert requirement_lines("requirements.txt") == project["dependencies"]
+    extras = project["optional-dependencies"]
+    assert requirement_lines("requirements-peers.txt") == extras["peers"]
+    dev = requirement_lines("requirements-dev.txt")
+    assert set(extras["deepspeed"]) <= set(dev) and "-r requirements-peers.txt" in dev
+    runtime = " ".join(project["dependencies"])
+    assert "deepspeed" not in runtime and "accelerate" not in runtime and "lightning" not in runtime
+
+
+def test_the_installed_packages_are_every_folder():
+    """pyproject.toml lists fastpt's folders by hand (train.py is mapped into fastpt.start): none left out."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"fastpt"} | {f"fastpt.{p.name}" for p in (ROOT / "fastpt").iterdir() if (p / "__init__.py").exists()}
+    assert set(setuptools["packages"]) == folders | {"fastpt.start"}
+    assert setuptools["package-dir"] == {"fastpt.start": "."}
+    assert [p.name for p in ROOT.glob("*.py")] == ["train.py"], "every top-level .py file goes into fastpt/start"
 
 
 def test_fresh_install_has_both_entry_points(tmp_path):
@@ -92,9 +111,12 @@ def test_fresh_install_has_both_entry_points(tmp_path):
         proc = subprocess.run(command, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "--deepspeed" in proc.stdout, proc.stderr
     where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import fastpt, train; print(fastpt.__file__, train.__file__)"],
+                            "import importlib.util, fastpt, fastpt.start.train as t; "
+                            "print(fastpt.__file__, t.__file__, importlib.util.find_spec('train'))"],
                            cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=60)
-    assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout + where.stderr  # installed
+    package, entry, top_level_train = where.stdout.split()
+    assert package.startswith(str(venv)) and entry.startswith(str(venv)), where.stdout + where.stderr  # installed
+    assert top_level_train == "None", "pip install . must not put a module named train into site-packages"
 
 
 # ---------------------------------------------------------------------------- offline
@@ -185,7 +207,7 @@ def test_tensorboard_layout_and_applicable_hparams(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    from fastpt.loop.config import TrainConfig
+    from fastpt.machinery.config import TrainConfig
     from fastpt.machinery.tracking import Tracker, applicable_hparams
 
     plain = applicable_hparams(TrainConfig().to_dict())

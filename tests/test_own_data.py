@@ -14,7 +14,7 @@ import torch
 from fastpt.inputs import own_data
 from fastpt.inputs.data import Collator, pair_token_types
 from fastpt.inputs.models import load_model, load_tokenizer
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.loop.evaluation import macro_f1
 from fastpt.machinery import checkpoint
 from train import main
@@ -146,7 +146,7 @@ def test_every_file_format_gives_the_same_splits(tmp_path, cache_dir):
     loaded = []
     for name in ("d.csv", "d.tsv", "d.jsonl", "d.parquet"):
         cfg = _cfg(tmp_path / name, cache_dir=str(cache_dir))
-        splits, _, names, origin = own_data.prepare_splits(cfg, tokenizer)
+        splits, _, names, origin = own_data.prepare_own_splits(cfg, tokenizer)
         assert names == ["0", "1", "2"] and origin["test"]["fraction"] == 0.2
         loaded.append(splits)
     for splits in loaded[1:]:
@@ -170,7 +170,7 @@ def test_save_to_disk_folder_with_its_splits_and_class_names(tmp_path, cache_dir
     datasets.DatasetDict({"train": split(40, 0), "validation": split(10, 1), "test": split(12, 2)}).save_to_disk(
         str(tmp_path / "ds"))
     cfg = _cfg(tmp_path / "ds", text_column="sentence", label_column="y", cache_dir=str(cache_dir))
-    splits, _, names, origin = own_data.prepare_splits(cfg, load_tokenizer("tiny"))
+    splits, _, names, origin = own_data.prepare_own_splits(cfg, load_tokenizer("tiny"))
     assert names == ["zeta", "alpha"]
     assert [len(splits[k]) for k in ("train", "validation", "test")] == [40, 10, 12]
     assert splits["test"].labels.tolist() == [i % 2 for i in range(12)]
@@ -224,7 +224,7 @@ def test_sentence_pairs_train_on_bert_with_token_types_and_pack_is_refused(own_a
     finally:
         Collator.__call__ = original
     assert seen and all(seen)
-    from fastpt.speedups import device_data
+    from fastpt.inputs import device_data
     built = []
     original_types = device_data.pair_token_types
 
@@ -342,7 +342,7 @@ def test_ddp_confusion_counts_each_test_row_once(tmp_path, cache_dir):
     names = results["label_names"]
     cfg = TrainConfig(model="tiny", data=str(train), test_data=str(test), cache_dir=str(cache_dir), max_length=24,
                       device="cpu")
-    splits, *_ = own_data.prepare_splits(cfg, load_tokenizer("tiny"))
+    splits, *_ = own_data.prepare_own_splits(cfg, load_tokenizer("tiny"))
     strategy = Strategy(cfg, DistInfo(0, 0, 1, torch.device("cpu")))
     strategy.setup(load_model("tiny", True, label_names=names))
     strategy.load_model_state_dict(checkpoint.load(out / "checkpoints" / "best.pt")["model"])

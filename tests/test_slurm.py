@@ -160,17 +160,17 @@ def test_usr1_stops_after_the_step_and_requeues_under_slurm(tiny_args, tmp_path,
 
 
 def test_usr1_while_loading_stops_at_the_first_step(tiny_args, tmp_path, monkeypatch, capfd):
-    from fastpt.loop import run as run_module
+    from fastpt import strategies as strategies_module
     from train import main
 
     _clear_launch_variables(monkeypatch)
-    original = run_module.build_strategy
+    original = strategies_module.build_strategy
 
     def build_strategy(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGUSR1)  # SIGUSR1's default action would end the process here
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(run_module, "build_strategy", build_strategy)
+    monkeypatch.setattr(strategies_module, "build_strategy", build_strategy)
     assert main(tiny_args(out=tmp_path / "run")) == 3
     assert capfd.readouterr().err.strip().splitlines()[-1].startswith("stopped: SIGUSR1 at step 1")
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastpt.inputs import data, models
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.loop.evaluation import evaluate
 from fastpt.loop.step import classify, make_forward_loss
 from fastpt.machinery import metrics

@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from fastpt.cli import run_folder
-from fastpt.loop import run as run_module
+import fastpt.strategies as strategies_module  # train.py builds the strategy from here
 from train import main
 
 
@@ -58,7 +58,7 @@ def test_a_signal_before_training_leaves_no_run_folder(tiny_args, tmp_path, monk
         _send_at(monkeypatch, run_folder, "start_out_dir", signum, after=True)
         extra = ()
     else:
-        _send_at(monkeypatch, run_module, "build_strategy", signum)
+        _send_at(monkeypatch, strategies_module, "build_strategy", signum)
         extra = ()
     out = tmp_path / "runs" / "new"
     status, lines = _run(tiny_args, out, capfd, *extra)
@@ -83,7 +83,7 @@ def test_a_signal_before_a_resumed_run_trains_leaves_its_folder(tiny_args, tmp_p
     out = tmp_path / "run"
     assert main(tiny_args("--max-steps", "3", "--save-every", "3", "--epochs", "3", out=out)) == 0
     before = _kept_files(out)
-    _send_at(monkeypatch, run_module, "build_strategy", signal.SIGTERM)
+    _send_at(monkeypatch, strategies_module, "build_strategy", signal.SIGTERM)
     status, lines = _run(tiny_args, out, capfd, "--epochs", "3", "--resume", "auto")
     assert status == 128 + signal.SIGTERM
     assert lines == [f"stopped: SIGTERM before training started; the checkpoints in {out} are as they were: "

@@ -1,4 +1,4 @@
-"""The command line: `train.py`'s flags, parsed into a `TrainConfig` (loop/config.py).
+"""The command line: `train.py`'s flags, parsed into a `TrainConfig` (machinery/config.py).
 
 Errors are one line on stderr and exit status 2; `--help` shows every default once. A flag
 that only means something beside another (`--amp-dtype` without `--amp`) is refused, never
@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from fastpt.loop.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, _flag
+from fastpt.machinery.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, flag_name
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -184,5 +184,5 @@ def parse_args(argv=None) -> TrainConfig:
         if args[name] is None:  # not given: the dataclass default
             args[name] = getattr(TrainConfig, name)
         elif not present(args):
-            raise ValueError(f"--{_flag(name)} needs {switch}")
+            raise ValueError(f"--{flag_name(name)} needs {switch}")
     return TrainConfig(**args)

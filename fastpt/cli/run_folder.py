@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastpt.loop.config import RESUME_SENSITIVE, TrainConfig
+from fastpt.machinery.config import RESUME_SENSITIVE, TrainConfig
 
 
 RUN_FILES = ("config.json", "results.json", "checkpoints", "tb")
@@ -102,7 +102,7 @@ def _a_few(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _run_folder_of(checkpoint_path: Path) -> Path:
+def run_folder_of(checkpoint_path: Path) -> Path:
     return checkpoint_path.resolve().parent.parent  # <run>/checkpoints/last.pt
 
 
@@ -110,7 +110,7 @@ def choose_out(cfg: TrainConfig) -> Path:
     from fastpt.machinery import distributed
 
     if cfg.resume not in (None, "auto"):
-        return _run_folder_of(Path(cfg.resume))
+        return run_folder_of(Path(cfg.resume))
     if cfg.out:
         return Path(cfg.out)
     # The time names it; claim_out_dir adds -2, -3, ... if a run started in the same second has it.
@@ -232,7 +232,7 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     rank continues from the same state or stops with the same line.
     """
     from fastpt.machinery import distributed
-    from fastpt.machinery.checkpoint import CheckpointError
+    from fastpt.machinery.errors import CheckpointError
 
     if dist.world_size == 1:
         return read_out_dir(cfg, dist, out)
@@ -392,7 +392,7 @@ def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
 
 def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path: Path) -> None:
     from fastpt.machinery import resize
-    from fastpt.machinery.checkpoint import CheckpointError
+    from fastpt.machinery.errors import CheckpointError
 
     if not isinstance(state, dict) or not {"progress", "config", "training", "per_rank"} <= state.keys():
         raise CheckpointError(f"{path} is not a fastpt last.pt checkpoint")
@@ -411,7 +411,7 @@ def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: s
     --batch-size may then be the one the run was started with or one that keeps the global batch.
     """
     from fastpt.machinery import resize
-    from fastpt.machinery.checkpoint import CheckpointError
+    from fastpt.machinery.errors import CheckpointError
 
     resuming = batch_size_flag is not None
     for name in RESUME_SENSITIVE:

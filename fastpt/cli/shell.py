@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 from fastpt.cli.args import parse_args
-from fastpt.cli.run_folder import RunFinished, _run_folder_of
-from fastpt.loop.config import TrainConfig
+from fastpt.cli.run_folder import RunFinished, run_folder_of
+from fastpt.machinery.config import TrainConfig
 from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
                                      Requeued, StopRequested, one_line)
 from fastpt.machinery.signals import hold_warning_signal
@@ -59,7 +59,8 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM, likewise for a `kill` before training st
 def check_environment(cfg: TrainConfig) -> None:
     """Checks that need no data and no process group; ValueError on failure."""
     if cfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise ValueError("--deepspeed needs the deepspeed package (pip install deepspeed)")
+        raise ValueError("--deepspeed needs the deepspeed package: pip install '.[deepspeed]' "
+                         "(or pip install deepspeed)")
     if cfg.compile:
         from fastpt.speedups.compile import check_compile_supported
         check_compile_supported()
@@ -71,9 +72,9 @@ def check_environment(cfg: TrainConfig) -> None:
         # Under torchrun rank 0 alone looks for it (plan_out_dir): another node may not see the file.
         if "RANK" not in os.environ and not Path(cfg.resume).is_file():
             raise ValueError(f"--resume {cfg.resume}: no such checkpoint file")
-        if cfg.out and Path(cfg.out).resolve() != _run_folder_of(Path(cfg.resume)):
+        if cfg.out and Path(cfg.out).resolve() != run_folder_of(Path(cfg.resume)):
             raise ValueError(f"--resume {cfg.resume} continues in its own run folder "
-                             f"{_run_folder_of(Path(cfg.resume))}, not --out {cfg.out}; drop --out")
+                             f"{run_folder_of(Path(cfg.resume))}, not --out {cfg.out}; drop --out")
 
 
 def check_device_support(cfg: TrainConfig, dist) -> None:
@@ -173,8 +174,6 @@ def quiet_libraries(verbose: bool) -> None:
     hub_logging.set_verbosity_error()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
-
-# ---------------------------------------------------------------------------- main
 
 # ---------------------------------------------------------------------------- the shell
 

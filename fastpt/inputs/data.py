@@ -241,9 +241,6 @@ class EvalBatchSampler(Sampler):
         return len(self.batches_)
 
 
-# --------------------------------------------------------------------------- cache
-
-
 # --------------------------------------------------------------------------- loaders
 
 def default_num_workers(on_cuda: bool, local_world_size: int) -> int:

@@ -59,8 +59,7 @@ from typing import Optional
 import numpy as np
 
 from fastpt.inputs import token_cache
-from fastpt.inputs.imdb import DataError
-from fastpt.machinery.errors import DiskFull
+from fastpt.machinery.errors import DataError, DiskFull
 
 
 # 2: the file types in the key, the digest, the paths the cache was built from;
@@ -540,7 +539,7 @@ def reading_notes(cache_path: Path) -> list:
     return json.loads((Path(cache_path) / META).read_text()).get("notes", [])
 
 
-def prepare_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj], builder: int = 0):
+def prepare_own_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj], builder: int = 0):
     """(splits, cache path, label names, where the splits came from): token_cache.prepare_splits for --data."""
     outcome = None
     if builds:

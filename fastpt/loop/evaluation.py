@@ -55,8 +55,11 @@ def make_eval_sums(strategy, max_length: int):
 
 @torch.no_grad()
 def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num_labels: int = 2) -> dict:
-    """{'loss', 'acc', 'macro_f1', 'confusion', 'n'} over the whole split, identical on every rank."""
+    """{'loss', 'acc', 'macro_f1', 'confusion', 'n'} over the whole split, identical on every rank; and its
+    'time_s' (host time, ending with the read of the sums: synchronised) and 'compile_s' (the part of it
+    spent in calls that compiled a graph, by the compile clock). The bar, if any, is closed."""
     eval_sums = eval_sums or make_eval_sums(strategy, strategy.cfg.max_length)
+    began, compiled_before = time.perf_counter(), compile_clock.seconds if compile_clock is not None else 0.0
     was_training = strategy.model.training
     strategy.train(False)
     # loss sum, correct, examples, then the confusion counts
@@ -71,11 +74,15 @@ def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num
     all_reduce_sum(sums)
     strategy.train(was_training)
     values = sums.tolist()
+    time_s = time.perf_counter() - began
+    if bar is not None:
+        bar.close()
     loss_sum, correct, n = values[:3]
     confusion = [[int(round(c)) for c in values[3 + i * num_labels:3 + (i + 1) * num_labels]]
                  for i in range(num_labels)]
     return {"loss": loss_sum / max(n, 1), "acc": correct / max(n, 1), "macro_f1": macro_f1(confusion),
-            "confusion": confusion, "n": int(round(n))}
+            "confusion": confusion, "n": int(round(n)), "time_s": time_s,
+            "compile_s": compile_clock.seconds - compiled_before if compile_clock is not None else 0.0}
 
 
 def per_class(confusion: list, names: list) -> dict:

@@ -3,7 +3,8 @@
     for batch in train_loader:                          # train_epoch
         micro_batches.append(batch)                     #   --grad-accum batches make one step
         sums = train_step(strategy, micro_batches, forward_loss)
-        book.after_step(sums, len(micro_batches))       #   counters, logs, checkpoints, signals
+        due = bookkeeping.after_step(sums, ...)         #   counters; what is due: a log line, last.pt, a stop
+        if max_steps_reached(...): break                #   --max-steps
 
 `train_step` is the whole computation of one optimiser step: move each micro-batch to the
 device, forward under autocast, the loss, the scaled backward (gradients reduced across
@@ -12,10 +13,12 @@ the gradients. `forward_loss` (forward, loss and the batch's metric sums) is the
 `torch.compile` compiles whole on one device, so what a reader reads is what runs.
 
 Everything that is not the computation (step counters, the epoch's metric sums, the log
-window, the first non-finite loss, the throughput meter, signals, checkpoints, resume) lives in
-`bookkeeping.Bookkeeping`; the strategy (`strategies/base.py`) holds what differs between one
-device, DDP, FSDP and DeepSpeed. Nothing here reads a value back from the device: losses and
-correct counts stay on it as sums, read at log steps.
+window, the first non-finite loss, the throughput meter, signals, resume) lives in
+`bookkeeping.Bookkeeping`, which answers what is due and calls nothing back; last.pt is
+train.py's, handed up by `train_epoch` (a generator) when due. The strategy
+(`strategies/base.py`) holds what differs between one device, DDP, FSDP and DeepSpeed. Nothing
+here reads a value back from the device: losses and correct counts stay on it as sums, read at
+log steps.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def make_forward_loss(strategy, max_length: int):
     """forward_loss(model, batch) -> (loss, metric sums): compiled whole where the strategy does."""
 
     def forward_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        with strategy.autocast():  # mixed precision: matmuls in 16 bits, reductions in float32
+        with strategy.autocast():  # mixed precision: matmuls and attention in 16 bits (speedups/amp.py)
             logits = classify(model, batch, max_length)
         loss = F.cross_entropy(logits.float(), batch["labels"])
         return loss, metric_sums(loss, logits, batch["labels"])
@@ -67,16 +70,30 @@ def train_step(strategy, micro_batches: list[dict], forward_loss) -> torch.Tenso
     return sums
 
 
-def train_epoch(strategy, train_loader, book, forward_loss) -> dict:
-    """One epoch (or the rest of one, after a resume): train_step around `for batch in loader`."""
+def max_steps_reached(global_step: int, max_steps: int | None) -> bool:
+    return max_steps is not None and global_step >= max_steps
+
+
+def train_epoch(strategy, train_loader, bookkeeping, forward_loss, grad_accum: int, max_steps: int | None):
+    """One epoch (or the rest of one, after a resume): train_step around `for batch in loader`.
+
+    A generator: it yields the `Due` of each step that makes last.pt due (--save-every, or a stop
+    after a signal), for train.py to write; the epoch's metrics are then `bookkeeping.end_epoch()`'s.
+    """
     strategy.train()
-    micro_batches = []
-    for batch in book.timed(train_loader):  # counts the batch and the time spent waiting for it
+    micro_batches, batches_left = [], len(train_loader)
+    for batch in bookkeeping.timed_batches(train_loader):  # counts the batch and the time spent waiting for it
         micro_batches.append(batch)
-        if not book.ends_step(len(micro_batches)):  # --grad-accum batches, fewer at the epoch's end
+        batches_left -= 1
+        if len(micro_batches) < grad_accum and batches_left:  # --grad-accum batches, fewer at the epoch's end
             continue
         sums = train_step(strategy, micro_batches, forward_loss)
-        if book.after_step(sums, len(micro_batches)):  # True once --max-steps is reached
+        last = not batches_left or max_steps_reached(bookkeeping.global_step + 1, max_steps)
+        due = bookkeeping.after_step(sums, len(micro_batches), ends_epoch=last)  # counters, sums; what is due
+        if due.log:
+            bookkeeping.log()
+        if due.save:
+            yield due  # train.py writes last.pt (and stops, if due.stop)
+        if last:
             break
         micro_batches = []
-    return book.end_epoch()

@@ -7,8 +7,10 @@
 - the first step whose loss was not finite, or, under float16's GradScaler (which skips such
   steps), the start of a long run of skipped steps (both checked at log and save steps);
 - the throughput meter, the compile clock and the progress bar;
-- log lines (at steps 1, 2, 4, ... until --log-every, then every --log-every steps), last.pt
-  every --save-every steps, and a graceful stop after SIGTERM / SIGINT.
+- what each step makes due, as an answer to the loop (`after_step` returns a `Due`): a log line
+  (at steps 1, 2, 4, ... until --log-every, then every --log-every steps), last.pt every
+  --save-every steps, and a graceful stop after SIGTERM / SIGINT. It calls nothing back: the loop
+  logs (`log`), and train.py writes last.pt and stops.
 
 It is built from a checkpoint's state when resuming, so a resumed run logs, averages and
 times exactly what the uninterrupted run would have.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -41,12 +44,20 @@ def is_log_step(step: int, log_every: int) -> bool:
     return step % log_every == 0 or (step < log_every and step & (step - 1) == 0)
 
 
+@dataclass(frozen=True)
+class Due:
+    """What one optimiser step makes due, for the loop to do: a log line, last.pt, a stop."""
+    log: bool = False
+    save: bool = False  # last.pt now: --save-every, or a stop (never lose more than the step in flight)
+    stop: str = ""  # why the run stops after this step ("" = it goes on): status 3, with how to resume
+
+
 class Bookkeeping:
-    def __init__(self, cfg, dist, out_dir, tracker, meter: metrics.Throughput, stopper, save_last: Callable[[], None],
+    def __init__(self, cfg, dist, out_dir, tracker, meter: metrics.Throughput, stopper,
                  skips_nonfinite_steps: bool, lr: Callable[[], float], resume: Optional[dict] = None,
                  step_was_skipped: Optional[Callable[[], torch.Tensor]] = None):
         self.cfg, self.dist, self.device, self.out_dir = cfg, dist, dist.device, out_dir
-        self.tracker, self.meter, self.stopper, self.save_last = tracker, meter, stopper, save_last
+        self.tracker, self.meter, self.stopper = tracker, meter, stopper
         self.skips_nonfinite_steps, self.lr = skips_nonfinite_steps, lr
         self.compile_clock = metrics.CompileClock()
         self.token_shapes: set[int] = set()  # distinct batch widths / packed lengths: CUDA graphs record one each
@@ -57,14 +68,15 @@ class Bookkeeping:
         self.train_time_s = progress.get("train_time_s", 0.0)
         self.first_step_s = progress.get("first_step_s")
         self.resumed_at_step = self.global_step if resume else None
-        mine = resume["per_rank"][dist.rank] if resume else {}
-        self.epoch_sums = self._on_device(mine.get("epoch_sums"))
+        this_rank = resume["per_rank"][dist.rank] if resume else {}
+        self.epoch_sums = self._on_device(this_rank.get("epoch_sums"))
         self.step_was_skipped = step_was_skipped  # float16's scaler: did it skip the step just taken?
         self.skipped_in_a_row = torch.zeros((), dtype=torch.long, device=self.device)
-        window = mine.get("window")
+        window = this_rank.get("window")
         self.window_loss = self._on_device(window[0]) if window else None
         self.window_count = window[1] if window else 0
         self.epoch_clock = None
+        self.step_start = None  # when the step's first batch was asked for
 
     def _on_device(self, t):
         return None if t is None else t.to(self.device)
@@ -84,12 +96,13 @@ class Bookkeeping:
                                     initial=self.batch_in_epoch)
         self.meter.start()
 
-    def timed(self, loader):
+    def timed_batches(self, loader):
         """The loader's batches, each counted and timed (the wait for data), recorded by the meter."""
-        self.step_start = time.perf_counter()
         batches = iter(loader)
         while True:
             t0 = time.perf_counter()
+            if self.step_start is None:  # a step starts when its first batch is asked for
+                self.step_start = t0
             batch = next(batches, None)
             if batch is None:
                 break
@@ -100,12 +113,8 @@ class Bookkeeping:
             self.bar.update(1)
             yield batch
 
-    def ends_step(self, micro_batches: int) -> bool:
-        """Whether the collected micro-batches make an optimiser step (the epoch's last group may be short)."""
-        return micro_batches == self.cfg.grad_accum or self.batch_in_epoch == self.n_batches
-
-    def after_step(self, sums: torch.Tensor, micro_batches: int) -> bool:
-        """Account for one optimiser step; log, save, stop as due. True once --max-steps is reached."""
+    def after_step(self, sums: torch.Tensor, micro_batches: int, ends_epoch: bool) -> Due:
+        """Account for one optimiser step (the epoch's last if `ends_epoch`); what it makes due."""
         cfg = self.cfg
         self.epoch_sums += sums[:3]
         self.window_loss += sums[3]
@@ -123,31 +132,21 @@ class Bookkeeping:
             metrics.synchronize(self.device)
             self.first_step_s = time.perf_counter() - self.epoch_clock
         self.compile_clock.tick(since=self.step_start)
+        self.step_start = None
         self.meter.end_step()
         at_log = is_log_step(self.global_step, cfg.log_every)
         # Not on the epoch's last step: the end-of-epoch checkpoint follows, after validation
         # has logged at this same step (a resume from here would log those points twice).
-        epoch_ends = self.batch_in_epoch == self.n_batches or self.max_steps_reached()
-        at_save = cfg.save_every is not None and self.global_step % cfg.save_every == 0 and not epoch_ends
-        if at_log or at_save:
-            self.check_finite()
-        if at_log:
-            self._log()
-        if at_save:
-            self.save_last()
+        at_save = cfg.save_every is not None and self.global_step % cfg.save_every == 0 and not ends_epoch
         # Under torchrun, asking all ranks is a collective: only where the host waits anyway.
-        if (at_log or at_save or self.dist.world_size == 1) and self.stopper.requested():
-            if not at_save:  # finish the step, keep it, then leave: never lose more than the step in flight
-                self.check_finite()
-                self.save_last()
-            requeued = slurm.requeue_after_stop(self.stopper, self.dist.is_main)
-            if requeued:  # under SLURM, after its warning signal: the job runs again and continues from last.pt
-                raise Requeued(f"signal {self.stopper.signal_name.removeprefix('SIG')}: saved step "
-                               f"{self.global_step}, {requeued}")
-            raise StopRequested(f"{self.stopper.signal_name} at step {self.global_step}, checkpoint saved; "
-                                f"resume with --resume auto --out {shlex.quote(str(Path(self.out_dir).resolve()))}")
-        self.step_start = time.perf_counter()
-        return self.max_steps_reached()
+        stop = (at_log or at_save or self.dist.world_size == 1) and self.stopper.requested()
+        if at_log or at_save or stop:
+            self.check_finite()  # no log line, last.pt or stop after a NaN loss: it fails here
+        if not stop:
+            return Due(log=at_log, save=at_save)
+        return Due(log=at_log, save=True,
+                   stop=f"{self.stopper.signal_name} at step {self.global_step}, checkpoint saved; "
+                        f"resume with --resume auto --out {shlex.quote(str(Path(self.out_dir).resolve()))}")
 
     def end_epoch(self) -> dict:
         """The epoch's training loss and accuracy over all ranks."""
@@ -157,9 +156,6 @@ class Bookkeeping:
         sums = distributed.all_reduce_sum(self.epoch_sums.clone()).tolist()
         self.epoch_sums = None
         return {"train_loss": sums[0] / max(sums[2], 1), "train_acc": sums[1] / max(sums[2], 1)}
-
-    def max_steps_reached(self) -> bool:
-        return self.cfg.max_steps is not None and self.global_step >= self.cfg.max_steps
 
     # ------------------------------------------------------------------ the epoch clock
     def stop_epoch_clock(self) -> None:
@@ -175,6 +171,15 @@ class Bookkeeping:
         self.epoch += 1
         self.batch_in_epoch = 0
 
+    def stopped(self, due: Due) -> StopRequested:
+        """After last.pt is written for a stop: what ends the run. Status 3 with how to resume, or, after
+        SLURM's warning signal in a job that can be requeued, the job requeued and status 0 (slurm.py)."""
+        requeued = slurm.requeue_after_stop(self.stopper, self.dist.is_main)  # every rank: a collective
+        if requeued:  # the job runs again and continues from last.pt
+            return Requeued(f"signal {self.stopper.signal_name.removeprefix('SIG')}: saved step "
+                            f"{self.global_step}, {requeued}")
+        return StopRequested(due.stop)
+
     # ------------------------------------------------------------------ reading the device
     def check_finite(self) -> None:
         step = int(self.first_bad_step.item())
@@ -187,7 +192,8 @@ class Bookkeeping:
                                     f"steps in a row from {at} (inf/NaN gradients at every scale it tried); {advice}")
             raise NonFiniteLoss(f"training loss became NaN/inf at {at}; no checkpoint was written after it ({advice})")
 
-    def _log(self) -> None:
+    def log(self) -> None:
+        """The loss over the steps since the last log line (all ranks), the rates, peak memory."""
         loss = (distributed.all_reduce_sum(self.window_loss.clone()).item()
                 / (max(self.window_count, 1) * self.dist.world_size))
         self.window_loss.zero_()

@@ -57,7 +57,7 @@ def write_atomic(path: Path, write) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if _disk_full(e):
+        if disk_full(e):
             needed = _size_of(write)
             raise DiskFull(f"no space left in {path.parent} for {path.name}: "
                            f"{'?' if needed is None else f'{needed:,}'} bytes needed, "
@@ -66,7 +66,7 @@ def write_atomic(path: Path, write) -> None:
     _fsync_dir(path.parent)
 
 
-def _disk_full(e: BaseException | None) -> bool:
+def disk_full(e: BaseException | None) -> bool:
     """Whether e, or an error it was raised while handling, says the disk or quota is full.
 
     torch.save reports a full disk as a RuntimeError of its zip writer raised while handling the OSError."""

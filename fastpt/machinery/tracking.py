@@ -19,7 +19,7 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-from fastpt.loop.config import NEEDS
+from fastpt.machinery.config import NEEDS
 
 
 # Tags the run logs: train/loss per log step, epoch/<metric> per epoch.
@@ -106,13 +106,13 @@ class NullTracker(Tracker):
 @contextlib.contextmanager
 def _event_file_errors(folder: Path):
     """A full disk under TensorBoard's writer becomes fastpt's one-line DiskFull (exit status 1)."""
-    from fastpt.machinery.checkpoint import _disk_full
+    from fastpt.machinery.checkpoint import disk_full
     from fastpt.machinery.errors import DiskFull
 
     try:
         yield
     except OSError as e:
-        if not _disk_full(e):
+        if not disk_full(e):
             raise
         raise DiskFull(f"no space left in {folder} for TensorBoard's event file: free some space, or "
                        f"pass --no-tensorboard") from None

@@ -1,8 +1,11 @@
 """Automatic mixed precision (`--amp`): autocast, and a GradScaler for float16.
 
-What it does: inside `torch.autocast`, matrix multiplications and other ops that are safe in
-low precision run in float16 or bfloat16, while the weights, the optimiser state and the
-reductions that need range (softmax, layer norm, the loss) stay in float32.
+What it does: inside `torch.autocast`, matrix multiplications and attention (SDPA, its softmax
+included) run in float16 or bfloat16, while the weights and the optimiser state stay in float32.
+Which other ops autocast keeps in float32 depends on the device: CUDA's list holds layer norm,
+softmax and the losses; on the CPU (measured, torch 2.13) layer norm and softmax run in the
+bfloat16 of their input and only ops such as the loss (nll_loss) are cast up. fastpt computes the
+loss from `logits.float()`, so it is float32 on both.
 
 Why it is faster: tensor cores run 16-bit matmuls many times faster than float32 (A100: 312
 vs 19.5 TFLOP/s dense), and activations take half the memory and bandwidth. The article
@@ -48,6 +51,14 @@ class MixedPrecision:
         if not self.enabled:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def live_scale(self) -> tuple[torch.Tensor, float]:
+        """(the loss scale as the live device tensor, the scale it started from), read without a host sync.
+
+        GradScaler's public `get_scale()` calls `.item()` (the host waits for the device), so this reads
+        its private `_get_scale_async()` and `_init_scale` (torch 2.13's names), here and nowhere else.
+        """
+        return self.grad_scaler._get_scale_async(), self.grad_scaler._init_scale
 
     def state_dict(self) -> dict:
         return self.grad_scaler.state_dict() if self.grad_scaler.is_enabled() else {}

@@ -3,7 +3,9 @@ and where compiled kernels are cached.
 
 - `--tf32`: float32 matmuls on Ampere and newer GPUs run on tensor cores with a 10-bit
   mantissa (TF32): up to 8x the float32 rate, at about bfloat16-like input precision. Off by
-  default, as in PyTorch. With `--amp` most matmuls are 16-bit anyway.
+  default: PyTorch's own default for matmuls (`torch.backends.cuda.matmul.allow_tf32` is False),
+  while `torch.backends.cudnn.allow_tf32` defaults to True; fastpt sets both to `--tf32` on CUDA.
+  With `--amp` most matmuls are 16-bit anyway.
 - Not here: `torch.backends.cudnn.benchmark`, often listed as a speed switch. It lets cuDNN time
   its convolution algorithms for each new input shape and keep the fastest; a transformer
   classifier has no convolutions, so it would change nothing. (`cudnn.allow_tf32` follows

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.machinery.distributed import DistInfo
 from fastpt.strategies.base import Strategy
 

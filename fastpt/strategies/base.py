@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from fastpt.loop.config import TrainConfig
+from fastpt.machinery.config import TrainConfig
 from fastpt.machinery.distributed import DistInfo
 from fastpt.speedups.amp import MixedPrecision
 from fastpt.speedups.compile import apply_compile, mark_token_dim_dynamic
@@ -73,10 +73,14 @@ class Strategy:
         return apply_compile(fn, self.cfg.compile_mode, fullgraph=True)
 
     def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
-        """The article's Adam (lr 5e-5, no weight decay), fused into one kernel where asked or on CUDA.
+        """The article's Adam (lr 5e-5, no weight decay), fused where asked or on CUDA.
 
-        The fused implementation updates every parameter in one kernel instead of a handful
-        of kernels per parameter tensor; the maths is the same.
+        PyTorch's default Adam on CUDA is the foreach implementation: each step of Adam's update
+        (moments, bias correction, the weight update) is one multi-tensor kernel over the parameters,
+        so every tensor is read and written several times. The fused implementation does the whole
+        update in one kernel per group of tensors; the maths is the same. PyTorch does not make it
+        the default yet (torch/optim/adam.py: "bake-in time"). On the CPU the default is a loop
+        over the parameter tensors (no foreach kernels there); fused runs on the CPU too.
         """
         fused = self.cfg.fused_adam if self.cfg.fused_adam is not None else self.device.type == "cuda"
         return torch.optim.Adam(module.parameters(), lr=self.cfg.lr, fused=fused or None)
@@ -130,9 +134,9 @@ class Strategy:
         GradScaler halves its scale on every skipped step and lowers it at no other time (it doubles
         it after 2000 good steps in a row), so a scale below the previous step's marks a skip.
         """
-        scale = self.grad_scaler._get_scale_async()  # the live tensor: update() changes it in place
+        scale, initial = self.precision.live_scale()  # the live tensor: update() changes it in place
         # Before the first step: the scale it started from (the initial one, or the checkpoint's after a resume).
-        previous = self._previous_scale if self._previous_scale is not None else self.grad_scaler._init_scale
+        previous = self._previous_scale if self._previous_scale is not None else initial
         self._previous_scale = scale.clone()
         return scale < previous
 
@@ -165,17 +169,17 @@ class Strategy:
         params = list(self.module.parameters())
         optim = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return {
-            "param_bytes": sum(_local_bytes(p) for p in params),
+            "param_bytes": sum(local_bytes(p) for p in params),
             # Gradients are freed after each step; while held they take the parameters' layout.
-            "grad_bytes": sum(_local_bytes(p) for p in params if p.requires_grad),
-            "optimizer_bytes": sum(_local_bytes(t) for t in optim),
+            "grad_bytes": sum(local_bytes(p) for p in params if p.requires_grad),
+            "optimizer_bytes": sum(local_bytes(t) for t in optim),
         }
 
     def close(self) -> None:
         pass
 
 
-def _local_bytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for t: a DTensor's local shard, else the tensor."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()

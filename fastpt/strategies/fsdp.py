@@ -16,17 +16,20 @@ What it costs: an all-gather per layer in forward (and another in backward when 
 top of DDP's gradient reduction. The article measured 3.62 min on 4 A100s vs DDP's 3.52: for a
 66M-parameter model that fits on one GPU, sharding buys memory, not speed.
 
-Mixed precision (`--amp`): FSDP's own `MixedPrecisionPolicy` casts the gathered weights to the
-16-bit dtype once per all-gather (half the communication, no per-op weight casts) and reduces
-gradients in float32. Autocast stays on around forward so that softmax, layer norm and the loss
-keep float32 as they do without FSDP. float16 needs loss scaling with a scaler that all-reduces
+Mixed precision (`--amp`): FSDP's own `MixedPrecisionPolicy` casts each rank's local shard to the
+16-bit dtype before the all-gather, so the all-gather moves half the bytes and the gathered weights
+need no per-op casts; gradients are reduced in float32. Autocast stays on around forward so that
+the ops its device keeps in float32 (on CUDA layer norm and softmax; speedups/amp.py) do so as
+without FSDP. float16 needs loss scaling with a scaler that all-reduces
 its "found inf" flag, because each rank only sees its own gradient shard: `ShardedGradScaler`.
 
-Clipping (`--max-grad-norm`) needs nothing of its own: the gradients are DTensors, so the stock
+Clipping (`--max-grad-norm`) needs nothing of its own in torch 2.13 (checked by
+tests/test_fsdp_clip.py against one process): the gradients are DTensors, so the stock
 `torch.nn.utils.clip_grad_norm_` (the base strategy's) computes the whole model's norm: each
-shard's norm is a partial DTensor, combined over the ranks into one replicated total, and every
-rank scales its shard by the same factor. (FSDP1's flat gradients needed its own
-`FullyShardedDataParallel.clip_grad_norm_`; FSDP2 does not.)
+shard's norm is a `_NormPartial` DTensor, combined over the ranks into one replicated total, and
+every rank scales its shard by the same factor. This depends on the torch version (torchtitan
+still handles `_NormPartial` itself). FSDP1's flat gradients needed its own
+`FullyShardedDataParallel.clip_grad_norm_`.
 
 Checkpoints: `model_state_dict` gathers the full, unsharded state on rank 0 (a collective), so
 `best.pt` loads into a plain model. `training_state` (resume) gathers the full model and the

@@ -1,7 +1,7 @@
 """03_mixed_precision.py: 02_best_checkpoint.py + automatic mixed precision (autocast, GradScaler).
 
-Under autocast, matmuls run in float16 or bfloat16 (tensor cores, half the memory traffic) while
-weights, optimiser state, softmax, layer norm and the loss stay in float32. Only float16 needs the
+Under autocast, matmuls and attention run in float16 or bfloat16 (tensor cores, half the memory
+traffic); weights, optimiser state and the loss (on float32 logits) stay float32. float16 needs the
 GradScaler (bfloat16 has float32's range). Replaces Lightning's `precision="16-mixed"` (or
 "bf16-mixed"); train.py's `--amp --amp-dtype float16` (or bfloat16).
 

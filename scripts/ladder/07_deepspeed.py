@@ -3,7 +3,7 @@
 The DeepSpeed engine owns backward and the step, and shards over the N ranks the float32 master
 weights, Adam's moments and the reduced gradients: each rank keeps its slice of them only. With
 16-bit precision the engine casts the model itself (no autocast); a rank holds 2 + 14/N bytes per
-parameter instead of DDP's 16 (2 weight, 2 gradient, 12 optimiser state: 4 master + 4 + 4 Adam).
+parameter instead of DDP's 16 (under autocast: 4 weight, 4 gradient, 8 for Adam's two moments).
 Replaces Lightning's `strategy="deepspeed_stage_2"` (same ZeRO settings); train.py's `--deepspeed`.
 
     torchrun --nproc_per_node=2 scripts/ladder/07_deepspeed.py --model tiny --data-dir ../shared/data
@@ -118,7 +118,8 @@ def main():
                           pin_memory=device.type == "cuda",  # [05] page-locked, so that the copy can be async
                           generator=torch.Generator().manual_seed(args.seed), **kwargs)
 
-    train_loader = make_loader(train_set, sampler=DistributedSampler(train_set, seed=args.seed), drop_last=True)  # [06]
+    train_sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)  # [06] no padding: train.py's steps
+    train_loader = make_loader(train_set, sampler=train_sampler, drop_last=True)  # [06]
     val_loader, test_loader = (make_loader(RankShare(s, rank, world_size)) for s in (val_set, test_set))  # [06]
 
     model.to(device)

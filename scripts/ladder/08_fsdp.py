@@ -114,7 +114,8 @@ def main():
                           pin_memory=device.type == "cuda",  # [05] page-locked, so that the copy can be async
                           generator=torch.Generator().manual_seed(args.seed), **kwargs)
 
-    train_loader = make_loader(train_set, sampler=DistributedSampler(train_set, seed=args.seed), drop_last=True)  # [06]
+    train_sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)  # [06] no padding: train.py's steps
+    train_loader = make_loader(train_set, sampler=train_sampler, drop_last=True)  # [06]
     val_loader, test_loader = (make_loader(RankShare(s, rank, world_size)) for s in (val_set, test_set))  # [06]
 
     model.to(device)

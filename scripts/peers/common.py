@@ -6,7 +6,7 @@ fastpt itself: the tokeniser and model (`fastpt.inputs.models`), the cached 35k/
 `head(n)` subsets, the `Collator` (same padding), the rank-aware batch samplers (same
 batches on every rank, same evaluation shards), seed 123 and Adam at 5e-5.
 
-Timing follows fastpt's `train_time_s` and `samples_per_s` exactly (see fastpt/loop/run.py):
+Timing follows fastpt's `train_time_s` and `samples_per_s` exactly (machinery/bookkeeping.py):
 - `train_time_s` sums, over epochs, the wall time from the start of the training epoch to
   the end of its validation; setup, checkpoint writing and the test are outside it;
 - `samples_per_s` counts training samples after the first WARMUP_STEPS optimiser steps,
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from fastpt.inputs import data, token_cache  # noqa: E402
 from fastpt.inputs.models import count_parameters, load_model, load_tokenizer  # noqa: E402
-from fastpt.loop.run import WARMUP_STEPS, seed_everything  # noqa: E402
+from fastpt.loop.build import WARMUP_STEPS, seed_everything  # noqa: E402
 from fastpt.machinery import metrics  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def load_splits(args, tokenizer, rank: int) -> dict:
 
 
 def build_inputs(args, rank: int, world_size: int):
-    """(model, loaders, train_sampler) exactly as fastpt's loop/run.py:Run makes them (pad to max_length)."""
+    """(model, loaders, train_sampler) as fastpt's loop/build.py:build_loaders makes them (pad to max_length)."""
     seed_everything(args.seed)  # identical initial weights on every rank, as in fastpt
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.random_init)

@@ -3,7 +3,12 @@
 Every setting of a run lives in `TrainConfig`. `parse_args` turns `train.py`'s command line
 into one; `TrainConfig.__post_init__` checks every value and raises `ValueError` with a
 one-line message that names the bad setting, before any data is read or any folder written.
-The resolved config is saved as `config.json` next to the results and inside every checkpoint.
+Validation happens once, on the values given. Two steps then derive values, before the run
+starts and never after: `cli/shell.py:resolve_config` fills in every "decide for me" setting
+(absolute paths, loader workers and pinned memory, fused Adam on CUDA), and
+`loop/build.py:load_inputs` records what the data says (`label_names`, `data_splits`). Both
+only resolve what was left open; neither changes a value that was checked. The resolved config
+is saved as `config.json` next to the results and inside every checkpoint.
 
 Defaults are the article's run: distilbert-base-uncased, 3 epochs, batch 12, Adam 5e-5,
 seed 123, sequences truncated and padded to 512 tokens.
@@ -85,7 +90,7 @@ class TrainConfig:
     test_fraction: Optional[float] = None  # likewise for test
     split_seed: int = 0  # the carving's shuffle (not --seed: a new --seed keeps the split)
     export_dir: Optional[str] = None  # the tested weights as a Hugging Face model folder
-    # Resolved while loading the data, written to config.json and best.pt: id i is label_names[i].
+    # Derived while loading the data (load_inputs), written to config.json and best.pt: id i is label_names[i].
     label_names: Optional[list] = None
     data_splits: Optional[dict] = None  # where each split came from
 
@@ -151,19 +156,19 @@ class TrainConfig:
                              "early_stopping_patience", "pack_multiple"]
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"--{flag_name(name)} must be positive, got {getattr(self, name)}")
         for name in optional_positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"--{_flag(name)} must be positive, got {value}")
+                raise ValueError(f"--{flag_name(name)} must be positive, got {value}")
         # float("nan") and float("inf") parse as floats; none of these settings means anything with them.
         for name in ("lr", "min_delta", "max_grad_norm"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
-                raise ValueError(f"--{_flag(name)} must be a finite number, got {value}")
+                raise ValueError(f"--{flag_name(name)} must be a finite number, got {value}")
         for name in ("seed", "split_seed"):  # numpy's RandomState takes 0 .. 2**32 - 1
             if not 0 <= getattr(self, name) < 2**32:
-                raise ValueError(f"--{_flag(name)} must be between 0 and 2**32 - 1, got {getattr(self, name)}")
+                raise ValueError(f"--{flag_name(name)} must be between 0 and 2**32 - 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         self.requeue_signal = self.requeue_signal.upper().removeprefix("SIG")
@@ -183,7 +188,7 @@ class TrainConfig:
                              f"{max_workers()} (4 per core, {usable_cores()} cores)")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"--{_flag(name)} must be one of {', '.join(map(str, allowed))}; "
+                raise ValueError(f"--{flag_name(name)} must be one of {', '.join(map(str, allowed))}; "
                                  f"got {getattr(self, name)!r}")
         if self.bucket and self.pad_to == "max_length":
             # Bucketing exists to pad each batch to its own longest sequence.
@@ -262,5 +267,5 @@ def max_workers() -> int:
 FLAG_NAMES = {"monitor": "monitor-metric"}
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
     return FLAG_NAMES.get(name, name.replace("_", "-"))

@@ -1,0 +1,55 @@
+"""The run's record beside the model: the epochs' history, the best epoch, early stopping, validation time.
+
+`RunRecord` is what train.py updates after each validation and what last.pt keeps besides the
+weights and the bookkeeping's counters (fastpt/cli/outputs.py writes and restores it);
+results.json is written from it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fastpt.loop.early_stopping import BestTracker, EarlyStopping
+from fastpt.machinery.errors import NonFiniteLoss
+
+
+@dataclass
+class RunRecord:
+    best: BestTracker  # ModelCheckpoint(save_top_k=1)'s rule: which epoch best.pt holds
+    early_stopping: EarlyStopping
+    history: list = field(default_factory=list)  # one row per epoch: train and validation metrics
+    val_time_s: float = 0.0  # every validation, compilation included
+    val_compile_s: float = 0.0  # the part of val_time_s spent compiling evaluation graphs
+    epoch_offset: int = 0  # reviews of this epoch's order done before a resize (resize.py); 0 from the next epoch
+    batch_size_flag: int = 0  # --batch-size as the run first started (resize.py)
+    tested_on: str = ""  # the weights the test ran on: best, last, or last (no best checkpoint)
+
+    def add_validation(self, val: dict, bookkeeping) -> None:
+        """Its time; a NaN loss stops the run (the model diverged): no best.pt, verdict or last.pt from it."""
+        self.val_time_s += val["time_s"]
+        # Host time of the batches that compiled (the clock's, as for train_time_no_compile_s): taking it
+        # out leaves the steady rate over every review, with no sync added. Dropping whole first batches
+        # instead would bias it: sorted evaluation batches start with the longest reviews.
+        self.val_compile_s += val["compile_s"]
+        if not math.isfinite(val["loss"]):
+            raise NonFiniteLoss(f"validation loss is {val['loss']} after epoch {bookkeeping.epoch + 1} "
+                                f"(step {bookkeeping.global_step}): the model diverged (no best.pt is saved from it; "
+                                f"try a lower --lr or --max-grad-norm)")
+
+    def end_epoch(self, train_metrics: dict, val: dict, improved: bool, bookkeeping, tracker) -> None:
+        """The epoch's line, TensorBoard and history; the epoch clock stops and the next epoch begins."""
+        bookkeeping.stop_epoch_clock()
+        row = {"epoch": bookkeeping.epoch + 1, "step": bookkeeping.global_step, **train_metrics,
+               "val_loss": val["loss"], "val_acc": val["acc"], "val_macro_f1": val["macro_f1"],
+               "train_time_s": bookkeeping.train_time_s}
+        self.history.append(row)
+        tracker.scalars({k: v for k, v in row.items() if k not in ("epoch", "step")}, bookkeeping.global_step,
+                        "epoch/")
+        tracker.print(f"epoch {row['epoch']}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+                      f"val loss {val['loss']:.4f} acc {val['acc']:.4f} macro-F1 {val['macro_f1']:.4f}"
+                      f"{' (best)' if improved else ''} | {bookkeeping.train_time_s:.1f} s")
+        if self.early_stopping.stopped:
+            tracker.print(f"early stopping: {self.early_stopping.reason}")
+        bookkeeping.next_epoch()
+        self.epoch_offset = 0  # only a resumed epoch starts off a global-batch boundary (resize.py)
