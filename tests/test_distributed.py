@@ -224,6 +224,7 @@ def test_every_rank_stops_early_at_the_same_step(runs):
         assert {r["global_steps"] for r in mine} == {2 * STEPS_PER_EPOCH}, mine
 
 
+@pytest.mark.slow  # 90 s on a 2-core AVX2 CPU (bfloat16 emulated): compile and DDP are each in the default set
 @pytest.mark.timeout(420)
 def test_torchrun_train_py_ddp_bf16_compiled(imdb_dir, cache_dir, tmp_path):
     out = tmp_path / "cli"

@@ -465,7 +465,7 @@ def test_deepspeed_runs_as_a_one_rank_job_without_torchrun(imdb_dir, cache_dir, 
     assert not any(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"))
 
 
-@pytest.mark.parametrize("found_by", ["rank 0", "every rank"])
+@pytest.mark.parametrize("found_by", [pytest.param("rank 0", marks=pytest.mark.slow), "every rank"])
 def test_bad_input_under_torchrun_is_one_line_and_a_plain_exit(imdb_dir, cache_dir, tmp_path, found_by):
     """Both ranks refuse bad input: rank 0 prints one line, no rank a traceback.
 

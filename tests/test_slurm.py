@@ -274,6 +274,7 @@ def last_step(out: Path) -> int:
     return state["progress"]["global_step"]
 
 
+@pytest.mark.slow  # two 2-process runs side by side; the default set keeps the requeue path under SLURM
 def test_srun_ddp_follows_torchrun(cluster, imdb_dir, cache_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            *train_args(imdb_dir, cache_dir, tmp_path / "torchrun", "--ddp")]

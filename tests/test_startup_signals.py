@@ -46,7 +46,8 @@ def _run(tiny_args, out, capfd, *extra):
     return status, [line for line in text.splitlines() if line.startswith(("stopped", "error"))]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])  # SIGINT takes the same path (the default set: Ctrl-C's own test)
 @pytest.mark.parametrize("where", ["tokenising", "after config.json", "building the strategy"])
 def test_a_signal_before_training_leaves_no_run_folder(tiny_args, tmp_path, monkeypatch, capfd, where, signum):
     import datasets

@@ -440,7 +440,7 @@ def check_same_data(plan: OutPlan, cfg: TrainConfig, inputs) -> None:
     """
     import torch
 
-    from fastpt.machinery.checkpoint import CheckpointError
+    from fastpt.machinery.errors import CheckpointError
 
     where = f"cannot continue the run in {plan.out}"
     if plan.data_key is not None and plan.data_key != data_key(inputs):
