@@ -254,6 +254,7 @@ def test_the_resume_hint_is_an_absolute_quoted_path(imdb_dir, cache_dir, tmp_pat
 
 # ---------------------------------------------------------------------------- DeepSpeed's noise
 
+@pytest.mark.slow  # a 2-process DeepSpeed launch, 16 s
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_deepspeed_is_quiet_on_every_rank_without_verbose(imdb_dir, cache_dir, tmp_path):
     # DeepSpeed's CPU all-reduce loads a C++ op and prints "... built successfully" on every rank; the

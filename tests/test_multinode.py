@@ -125,6 +125,7 @@ def reference(imdb_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # the default set keeps the elastic restart after a kill of rank 0 (same reference run)
 def test_two_nodes_with_local_disks_or_a_shared_one_match_one_node(reference, imdb_dir, tmp_path):
     """(a) each node its own --out and cache, (b) both the same; and (a) stopped after epoch 1, then resumed.
 

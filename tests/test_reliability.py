@@ -278,6 +278,7 @@ def test_fp16_amp_resume_keeps_grad_scaler(imdb_dir, cache_dir, tmp_path):
     assert_same_run(reference_out, out)
 
 
+@pytest.mark.slow  # 27 s; the default set keeps one process's SIGKILL resume and the elastic restart under torchrun
 def test_ddp_sigkill_resumes_bitwise(imdb_dir, cache_dir, tmp_path):
     ddp = ("--ddp", "--save-every", "2")  # 2 ranks x 24 examples: 3 steps per epoch
     reference_out, out = tmp_path / "reference", tmp_path / "run"
