@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 import tarfile
 from pathlib import Path
@@ -47,6 +48,15 @@ def tar_folder(folder: Path, target: Path) -> Path:
     with tarfile.open(target, "w:gz") as tar:
         tar.add(folder, arcname="aclImdb")
     return target
+
+
+def fastpt_frames(output: str) -> list[str]:
+    """The traceback frames in fastpt's own code (fastpt/, train.py) found in `output`.
+
+    Frames, not the text "fastpt/": the checkout is often a folder named fastpt, and torchrun's
+    failure summary names the worker's script by its path."""
+    frames = (Path(f).resolve() for f in re.findall(r'File "([^"]+)", line \d+', output))
+    return [str(f) for f in frames if f.is_relative_to(ROOT / "fastpt") or f == ROOT / "train.py"]
 
 
 @pytest.fixture(scope="session")

@@ -197,7 +197,8 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     peak = metrics.device_peak_flops(device, cfg.amp, cfg.tf32)
     meter = metrics.Throughput(device, WARMUP_STEPS,
                                lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak)
-    stopper = GracefulStop(warning_signal=signal.Signals[f"SIG{cfg.requeue_signal}"])  # slurm.py
+    stopper = GracefulStop(warning_signal=signal.Signals[f"SIG{cfg.requeue_signal}"],  # slurm.py
+                           timeout_s=cfg.dist_timeout)  # a hung rank stops the others at the first step's check
     bookkeeping = Bookkeeping(cfg, dist, out_dir, tracker, meter, stopper, strategy.skips_nonfinite_steps,
                               lr=lambda: strategy.optimizer.param_groups[0]["lr"], resume=resume_state,
                               step_was_skipped=strategy.step_was_skipped)

@@ -92,7 +92,8 @@ def hold_warning_signal(name: str):
 
 
 class GracefulStop:
-    def __init__(self, warning_signal: int | None = None):
+    def __init__(self, warning_signal: int | None = None, timeout_s: int | None = None):
+        self.timeout_s = timeout_s  # --dist-timeout: a group of its own does not inherit the default group's
         self.signum = None  # this process's signal: a second one exits at once
         self.agreed = None  # the signal all ranks stop for (requested())
         self.warning_signal = warning_signal
@@ -110,7 +111,10 @@ class GracefulStop:
             self.signum = self.warning_signal
         _held.clear()
         if dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+            from datetime import timedelta
+
+            timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
         return self
 
     def _handle(self, signum, frame) -> None:
