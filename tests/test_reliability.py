@@ -378,6 +378,7 @@ def _train_py(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # 12 s; the default set keeps the lock's refusal (test_bad_input: an --out another run holds)
 def test_two_runs_started_at_once_into_one_folder_one_wins(imdb_dir, cache_dir, tmp_path):
     out = tmp_path / "shared"
     args = ["--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--max-length", "32",
