@@ -36,23 +36,25 @@ def save_last(ckpt_dir: Path, cfg, dist, strategy, bookkeeping, record: RunRecor
     training = strategy.training_state(ckpt_dir)
     this_rank = checkpoint.to_bytes({"rng": checkpoint.rng_state(), **bookkeeping.rank_state()})
     per_rank = [checkpoint.from_bytes(b) for b in distributed.all_gather_object(this_rank)]
-    if not dist.is_main:
-        return
-    done = bookkeeping.batch_in_epoch  # the position in the epoch's order, on any number of processes
-    examples_in_epoch = record.epoch_offset + done * train_sampler.global_batch_size if done else 0
-    state = {
-        "config": cfg.to_dict(),
-        "world_size": dist.world_size,
-        "training": training,
-        "progress": {**bookkeeping.progress(), "val_time_s": record.val_time_s, "val_compile_s": record.val_compile_s,
-                     "examples_in_epoch": examples_in_epoch},
-        "batch_size_flag": record.batch_size_flag,
-        "early_stopping": record.early_stopping.state_dict(),
-        "best": record.best.state_dict(),
-        "history": record.history,
-        "per_rank": per_rank,
-    }
-    checkpoint.save_atomic(state, ckpt_dir / "last.pt")
+    if dist.is_main:
+        done = bookkeeping.batch_in_epoch  # the position in the epoch's order, on any number of processes
+        examples_in_epoch = record.epoch_offset + done * train_sampler.global_batch_size if done else 0
+        state = {
+            "config": cfg.to_dict(),
+            "world_size": dist.world_size,
+            "training": training,
+            "progress": {**bookkeeping.progress(), "val_time_s": record.val_time_s,
+                         "val_compile_s": record.val_compile_s, "examples_in_epoch": examples_in_epoch},
+            "batch_size_flag": record.batch_size_flag,
+            "early_stopping": record.early_stopping.state_dict(),
+            "best": record.best.state_dict(),
+            "history": record.history,
+            "per_rank": per_rank,
+        }
+        checkpoint.save_atomic(state, ckpt_dir / "last.pt")
+    # Every rank leaves only once last.pt is on disk: after a stop, a launcher (torchrun, srun
+    # --kill-on-bad-exit) kills the other workers as soon as one has exited.
+    distributed.barrier()
 
 
 def restore(state: dict, ckpt_dir: Path, dist, strategy, record: RunRecord) -> None:

@@ -332,9 +332,11 @@ RANK_0_FIRST_S = 3.0
 
 def exit_process(status: int) -> None:
     """sys.exit(status); a torchrun worker leaves with os._exit instead (distributed.leave says why)."""
-    if status == EXIT_BAD_INPUT and os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
-        # torchrun stops every worker once one has exited. Bad input that each rank finds by itself
-        # (a flag, a config file) is printed by rank 0 alone: the others give it time to say it.
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if status in (EXIT_BAD_INPUT, EXIT_STOPPED) and rank != "0":
+        # torchrun (and srun --kill-on-bad-exit) stops every worker once one has exited. Bad input
+        # that each rank finds by itself (a flag, a config file) and a stop are printed by rank 0
+        # alone: the others give it time to say it.
         time.sleep(RANK_0_FIRST_S)
     if "torch.distributed" in sys.modules:  # --help and a bad flag never load torch
         from fastpt.machinery import distributed
