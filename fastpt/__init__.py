@@ -16,6 +16,7 @@ Read these, the lessons:
         bucketing.py       length-grouped batches
         backends.py        TF32, deterministic kernels, the compile cache
     strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first)
+        optimizer.py       Adam or AdamW (Trainer's no-decay groups), the learning-rate schedule and warmup
     inputs/      what the run trains on
         data.py            samplers, collators and DataLoaders (workers, pinned memory)
         device_data.py     the tokenised data kept on the device, batches gathered there

@@ -7,6 +7,8 @@ without dropout, so the runs differ only in how the work is split over the two p
   give, in one process, exactly the test accuracy the two ranks reported;
 - sharded runs must hold about half of DDP's bytes per rank where they shard;
 - every run stops early at the same step on both ranks (min-delta 1.0 makes epoch 2 stall);
+- every run uses AdamW with transformers' decay groups and 4 warmup steps (the optimiser groups and
+  the schedule through DDP, FSDP2's sharded parameters and DeepSpeed's engine);
 - validation (15) and test (31) sizes are odd, so ranks get unequal shares;
 - with `--pack`, DDP, FSDP and ZeRO-2 follow one packed process with batch 2B, which itself
   follows the padded one (no dropout: packed attention's missing dropout changes nothing).
@@ -52,6 +54,9 @@ def common_args(imdb_dir, cache_dir, batch: int) -> list[str]:
             "--epochs", "3", "--early-stopping-patience", "1", "--min-delta", "1.0",
             "--val-size", "15", "--test-size", str(TEST_SIZE), "--log-every", "1",
             "--save-every", "1000",  # last.pt at each epoch's end: the final weights
+            # Trainer's AdamW groups and a warmup on every strategy (a constant rate after it: the runs
+            # resumed with more epochs follow the same rates; test_optimization.py checks the decays)
+            "--optimizer", "adamw", "--weight-decay", "0.01", "--warmup-steps", "4",
             "--no-progress"]
 
 

@@ -155,7 +155,8 @@ def test_packed_and_device_batches_train_like_padded_ones(tiny_args, tmp_path, n
 
 
 def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
-    """Steps 9-16 (no log step among them) of the fast path: not one value read back from the device.
+    """Steps 9-16 (no log step among them) of the fast path, with AdamW, a cosine schedule and class
+    weights: not one value read back from the device.
 
     On the CPU the packed attention takes the block-diagonal mask kernel, the one that reads
     nothing back (CUDA's varlen kernel reads nothing either; the CPU's eager loop kernel reads
@@ -188,7 +189,10 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     monkeypatch.setattr(Bookkeeping, "after_step", after_step)
     monkeypatch.setattr(Bookkeeping, "log", log)
     flags = ("--pack", "--data-on-device", "--fused-adam", "--max-grad-norm", "1.0", "--batch-size", "4",
-             "--log-every", "1000", "--max-steps", "20", "--epochs", "1")
+             "--log-every", "1000", "--max-steps", "20", "--epochs", "1",
+             # the Trainer-style settings add no read either: AdamW's groups, the schedule, the loss's weights
+             "--optimizer", "adamw", "--weight-decay", "0.01", "--lr-schedule", "cosine", "--warmup-steps", "3",
+             "--class-weights", "balanced")
     assert main(tiny_args(*flags, out=tmp_path / "run")) == 0
     assert len(all_ops) > 500  # the mode saw the steps: forward, backward, clipping, Adam, the batch gather
     assert reads.seen == []

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label-column", default=None,
                    help="with --data: the label column, integers or strings; ids follow their sorted order "
                         "(default: label)")
+    g.add_argument("--label-names", default=None, metavar="NAME0,NAME1,...",
+                   help="with --data and integer labels: a name for each label, in their order (0, 1, ...); "
+                        "results.json and the export's id2label use them")
     g.add_argument("--val-fraction", type=float, default=None,
                    help="with --data and no validation split: the share of --data carved out for it, "
                         "stratified by label (default: 0.1)")
@@ -85,12 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")
-    g.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
+    g.add_argument("--lr", type=float, default=d.lr, help="the learning rate (with --lr-schedule, its peak)")
     g.add_argument("--seed", type=int, default=d.seed, help="weights, dropout and shuffling")
     g.add_argument("--max-steps", type=int, default=None, help="stop after N optimiser steps (benchmarks)")
     g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="batches per optimiser step")
     g.add_argument("--max-grad-norm", type=float, default=None,
                    help="clip gradients to this norm (default: no clipping)")
+    g.add_argument("--optimizer", default=d.optimizer, choices=CHOICES["optimizer"],
+                   help="adam: the article's; adamw: decoupled weight decay (--weight-decay), transformers' "
+                        "Trainer's optimiser")
+    g.add_argument("--weight-decay", type=float, default=None,
+                   help=f"with --optimizer adamw: on every weight but biases and LayerNorm weights, as "
+                        f"transformers' Trainer (default: {d.weight_decay}, Trainer's)")
+    g.add_argument("--lr-schedule", default=d.lr_schedule, choices=CHOICES["lr_schedule"],
+                   help="the learning rate over the run's optimiser steps: constant (the article's), or decaying "
+                        "to 0 linearly or along half a cosine, as transformers' get_*_schedule_with_warmup")
+    g.add_argument("--warmup-ratio", type=float, default=None,
+                   help="the share of the run's optimiser steps over which the rate rises linearly from 0 "
+                        "(rounded up; any --lr-schedule)")
+    g.add_argument("--warmup-steps", type=int, default=None, help="or that many optimiser steps of warmup")
+    g.add_argument("--class-weights", default=None, metavar="balanced|W0,W1,...",
+                   help="weigh each class in the cross-entropy (training and evaluation loss): 'balanced' "
+                        "(examples / (classes x the class's count) in the training split, scikit-learn's rule) "
+                        "or one positive weight per class, in label-id order")
 
     g = p.add_argument_group("early stopping and checkpoints")
     g.add_argument("--early-stopping-patience", type=int, default=None, help="validation checks without improvement")

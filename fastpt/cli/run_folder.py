@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastpt.machinery.config import RESUME_SENSITIVE, TrainConfig
+from fastpt.machinery.config import LATER_SETTINGS, RESUME_SENSITIVE, TrainConfig
 
 
 RUN_FILES = ("config.json", "results.json", "checkpoints", "tb")
@@ -370,7 +370,7 @@ def _saved_config(out: Path) -> dict | None:
 
 def _is_fastpt_config(saved: dict | None) -> bool:
     """A config.json that fastpt wrote: every setting a resume compares, and the number of processes."""
-    return saved is not None and {*RESUME_SENSITIVE, "world_size"} <= saved.keys()
+    return saved is not None and {*RESUME_SENSITIVE, "world_size"} - {*LATER_SETTINGS} <= saved.keys()
 
 
 def nothing_left(cfg: TrainConfig, state: dict) -> bool:
@@ -418,9 +418,9 @@ def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: s
         if name == "batch_size" and resuming and resize.accepts_batch_size(
                 cfg.batch_size, saved["batch_size"], batch_size_flag, saved.get("world_size"), world_size):
             continue
-        if saved.get(name) != getattr(cfg, name):
-            raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {saved.get(name)!r}, "
-                                  f"now {getattr(cfg, name)!r}")
+        was = saved.get(name, getattr(TrainConfig, name)) if name in LATER_SETTINGS else saved.get(name)
+        if was != getattr(cfg, name):
+            raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {was!r}, now {getattr(cfg, name)!r}")
     if saved.get("world_size") != world_size and not resuming:
         raise CheckpointError(f"{context}: it was written by {saved.get('world_size')} process(es), "
                               f"this run has {world_size}")
@@ -451,8 +451,9 @@ def check_same_data(plan: OutPlan, cfg: TrainConfig, inputs) -> None:
         return
     saved_labels = state["config"].get("label_names")
     if saved_labels is not None and list(saved_labels) != list(cfg.label_names):
-        raise CheckpointError(f"{where}: it was trained on the labels {saved_labels}, the data now has "
-                              f"{cfg.label_names}; choose another --out")
+        raise CheckpointError(f"{where}: it was trained on the labels {saved_labels}, now they are "
+                              f"{cfg.label_names} (the data's, or --label-names); resume with the same, or choose "
+                              f"another --out")
     weights = state["training"].get("model") if isinstance(state["training"], dict) else None
     if weights is None:
         return  # DeepSpeed keeps the weights in its own files (checkpoints/deepspeed)

@@ -27,8 +27,9 @@ had them); empty, null, NaN and "NaN" are no label and refused with their lines;
 boolean or a mix of numbers and strings is refused. Ids follow the sorted order of the training
 set's distinct labels (numbers numerically, strings alphabetically); integer labels 0..K-1 keep
 their value. A `datasets` ClassLabel column keeps its own ids and names (its -1, "no label", is
-refused as an unlabelled split). The names are written to config.json and best.pt
-(`label_names`) and, with --export-dir, the model's id2label.
+refused as an unlabelled split). Integer labels are named by their values unless --label-names
+names them (`named_labels`: one name per label, in id order). The names are written to
+config.json and best.pt (`label_names`), results.json and, with --export-dir, the model's id2label.
 
 Bad input stops before anything is written, with one line: a missing or repeated column (the
 line lists those there are), an empty file or split, one class only, a validation or test label
@@ -458,6 +459,19 @@ def label_ids(splits: dict, column: str) -> tuple[dict, list]:
                             f"that the training set lacks (it has {', '.join(map(repr, classes[:10]))})")
     ids = {name: np.asarray([index[v] for v in values[name]], dtype=np.int64) for name in splits}
     return ids, [str(c) for c in classes]
+
+
+def named_labels(from_data: list, given: list | None) -> list:
+    """--label-names for integer labels (whose names are their values), one per label in id order; else the data's."""
+    if given is None:
+        return from_data
+    if not all(re.fullmatch(r"[-+]?\d+", name) for name in from_data):
+        raise ValueError(f"--label-names names integer labels; the labels in --data are names already "
+                         f"({', '.join(from_data[:5])}{', ...' if len(from_data) > 5 else ''}): drop --label-names")
+    if len(given) != len(from_data):
+        raise ValueError(f"--label-names gives {len(given)} name(s), the data has {len(from_data)} labels "
+                         f"({', '.join(from_data[:10])}{', ...' if len(from_data) > 10 else ''}): give one each")
+    return list(given)
 
 
 def check_classes(n: int, train: Table) -> None:

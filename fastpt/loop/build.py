@@ -33,7 +33,7 @@ from fastpt.inputs.token_cache import cache_root, prepare_splits
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
 from fastpt.loop.evaluation import make_eval_sums
 from fastpt.loop.record import RunRecord
-from fastpt.loop.step import make_forward_loss
+from fastpt.loop.step import class_weights, make_forward_loss
 from fastpt.machinery import distributed, metrics
 from fastpt.machinery.bookkeeping import Bookkeeping
 from fastpt.machinery.config import TrainConfig
@@ -41,6 +41,7 @@ from fastpt.machinery.signals import GracefulStop
 from fastpt.machinery.tracking import NullTracker, Tracker
 from fastpt.speedups import backends
 from fastpt.strategies.base import Strategy
+from fastpt.strategies.optimizer import total_steps
 
 
 IMDB_LABELS = ("neg", "pos")  # imdb.py: label 1 = the pos/ folder
@@ -84,7 +85,7 @@ def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
         cfg.label_names = list(IMDB_LABELS)
     else:  # --data: your own table (own_data.py)
         splits, cache_path, label_names, cfg.data_splits = own_data.prepare_own_splits(cfg, tokenizer, **shared)
-        cfg.label_names = label_names
+        label_names = cfg.label_names = own_data.named_labels(label_names, cfg.label_names)  # --label-names, if given
     seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
     model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation, label_names)
     check_model_fits(cfg, model, tokenizer)
@@ -94,6 +95,7 @@ def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
     if inputs.train_examples_used(cfg, dist.world_size) == 0:
         raise ValueError(f"{len(inputs.splits['train'])} training examples over {dist.world_size} process(es) "
                          f"make no full batch of {cfg.batch_size}")
+    cfg.class_weight_values = class_weights(cfg.class_weights, inputs.splits["train"].labels, cfg.label_names)
     return inputs
 
 
@@ -190,9 +192,13 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
         from fastpt.speedups.packing import PackedClassifier, packed_attention_kernel
         model = PackedClassifier(model, packed_attention_kernel(device.type, cfg.compile, cfg.amp))
-    strategy.setup(model)  # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer (strategies/base.py)
-    forward_loss = make_forward_loss(strategy, cfg.max_length)
-    eval_sums = make_eval_sums(strategy, cfg.max_length)
+    # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer, schedule (strategies/base.py)
+    batches_per_epoch = inputs.train_examples_used(cfg, dist.world_size) // loaders.train_sampler.global_batch_size
+    strategy.setup(model, training_steps=total_steps(cfg, batches_per_epoch))
+    weights = (torch.tensor(cfg.class_weight_values, dtype=torch.float32, device=device)
+               if cfg.class_weight_values else None)  # --class-weights: the loss's weight of each class
+    forward_loss = make_forward_loss(strategy, cfg.max_length, class_weights=weights)
+    eval_sums = make_eval_sums(strategy, cfg.max_length, class_weights=weights)
     torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
     peak = metrics.device_peak_flops(device, cfg.amp, cfg.tf32)
     meter = metrics.Throughput(device, WARMUP_STEPS,
@@ -200,7 +206,7 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     stopper = GracefulStop(warning_signal=signal.Signals[f"SIG{cfg.requeue_signal}"],  # slurm.py
                            timeout_s=cfg.dist_timeout)  # a hung rank stops the others at the first step's check
     bookkeeping = Bookkeeping(cfg, dist, out_dir, tracker, meter, stopper, strategy.skips_nonfinite_steps,
-                              lr=lambda: strategy.optimizer.param_groups[0]["lr"], resume=resume_state,
+                              lr=lambda: strategy.step_lr, resume=resume_state,
                               step_was_skipped=strategy.step_was_skipped)
     record = RunRecord(BestTracker(cfg.monitor_mode),
                        EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta),

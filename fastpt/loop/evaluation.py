@@ -11,16 +11,16 @@ than training batches (`--eval-batch-size`, default 128): fewer, fuller kernel l
 evaluation batch has the same size (the last one is filled with weight-0 reviews), so a
 compiled evaluation compiles once.
 
-Each rank evaluates its own shard (see data.EvalBatchSampler); the loss sum, the correct
-count, the example count and the confusion counts (labels x predictions, for macro-F1 and the
-per-class counts) are one float64 vector on the device, all-reduced once at the end, so every rank holds the same
-metrics over the whole split, each example counted once. Both ways of evening out ranks lose
-that: a DistributedSampler repeats examples where the split does not divide by the number of
-ranks, and a loader with `drop_last=True` drops the last incomplete batch. The article's DDP
-runs scored 9,984 of 10,000 test reviews for the second reason: 10,000 / 4 ranks divides, so the
-sampler repeated nothing, but their test loader kept `drop_last=True`, so each rank ran 208 full
-batches of 12 (208 x 12 x 4 = 9,984). Weights of 0 on the padding avoid both duplicates and
-drops here.
+Each rank evaluates its own shard (see data.EvalBatchSampler); the loss sum, the correct count,
+the example count, the loss's weight (--class-weights) and the confusion counts (labels x
+predictions, for macro-F1 and the per-class counts) are one float64 vector on the device,
+all-reduced once at the end, so every rank holds the same metrics over the whole split, each
+example counted once. Both ways of evening out ranks lose that: a DistributedSampler repeats
+examples where the split does not divide by the number of ranks, and a loader with
+`drop_last=True` drops the last incomplete batch. The article's DDP runs scored 9,984 of 10,000
+test reviews for the second reason: 10,000 / 4 ranks divides, so the sampler repeated nothing,
+but their test loader kept `drop_last=True`, so each rank ran 208 full batches of 12
+(208 x 12 x 4 = 9,984). Weights of 0 on the padding avoid both duplicates and drops here.
 """
 
 from __future__ import annotations
@@ -34,21 +34,28 @@ from fastpt.loop.step import classify
 from fastpt.machinery.distributed import all_reduce_sum
 
 
-def make_eval_sums(strategy, max_length: int):
-    """eval_sums(model, batch) -> [weighted loss sum, weighted correct, weight, confusion (K x K, flat)]:
-    compiled like the step. confusion[true * K + predicted] counts each example by its weight."""
+def make_eval_sums(strategy, max_length: int, class_weights: torch.Tensor | None = None):
+    """eval_sums(model, batch) -> [weighted loss sum, weighted correct, weight, loss weight, confusion (K x K,
+    flat)]: compiled like the step. confusion[true * K + predicted] counts each example by its weight.
+
+    The loss is the training loss: with `class_weights` each example's loss counts w[label] times, and the
+    split's loss is their sum over the sum of w[label] (the "loss weight"; without class weights, the examples).
+    """
 
     def eval_sums(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         with strategy.autocast():
             logits = classify(model, batch, max_length)
         weight = batch["weight"].double()
-        losses = F.cross_entropy(logits.float(), batch["labels"], reduction="none").double()
+        labels = batch["labels"]
+        losses = F.cross_entropy(logits.float(), labels, weight=class_weights, reduction="none").double()
+        loss_weight = weight if class_weights is None else weight * class_weights[labels].double()
         predicted = logits.argmax(dim=-1)
-        correct = (predicted == batch["labels"]).double()
+        correct = (predicted == labels).double()
         k = logits.shape[-1]
         confusion = torch.zeros(k * k, dtype=torch.float64, device=logits.device).index_add_(
-            0, batch["labels"] * k + predicted, weight)
-        return torch.cat([torch.stack([(losses * weight).sum(), (correct * weight).sum(), weight.sum()]), confusion])
+            0, labels * k + predicted, weight)
+        return torch.cat([torch.stack([(losses * weight).sum(), (correct * weight).sum(), weight.sum(),
+                                       loss_weight.sum()]), confusion])
 
     return strategy.compile_step(eval_sums)
 
@@ -62,8 +69,8 @@ def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num
     began, compiled_before = time.perf_counter(), compile_clock.seconds if compile_clock is not None else 0.0
     was_training = strategy.model.training
     strategy.train(False)
-    # loss sum, correct, examples, then the confusion counts
-    sums = torch.zeros(3 + num_labels ** 2, dtype=torch.float64, device=strategy.device)
+    # loss sum, correct, examples, loss weight, then the confusion counts
+    sums = torch.zeros(4 + num_labels ** 2, dtype=torch.float64, device=strategy.device)
     for batch in loader:
         start = time.perf_counter()
         sums += eval_sums(strategy.model, strategy.to_device(batch))
@@ -77,10 +84,10 @@ def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num
     time_s = time.perf_counter() - began
     if bar is not None:
         bar.close()
-    loss_sum, correct, n = values[:3]
-    confusion = [[int(round(c)) for c in values[3 + i * num_labels:3 + (i + 1) * num_labels]]
+    loss_sum, correct, n, loss_weight = values[:4]
+    confusion = [[int(round(c)) for c in values[4 + i * num_labels:4 + (i + 1) * num_labels]]
                  for i in range(num_labels)]
-    return {"loss": loss_sum / max(n, 1), "acc": correct / max(n, 1), "macro_f1": macro_f1(confusion),
+    return {"loss": loss_sum / (loss_weight or 1), "acc": correct / max(n, 1), "macro_f1": macro_f1(confusion),
             "confusion": confusion, "n": int(round(n)), "time_s": time_s,
             "compile_s": compile_clock.seconds - compiled_before if compile_clock is not None else 0.0}
 

@@ -23,6 +23,7 @@ log steps.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,16 +46,39 @@ def metric_sums(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) 
     return torch.stack([loss * n, correct, torch.full_like(loss, n), loss])
 
 
-def make_forward_loss(strategy, max_length: int):
-    """forward_loss(model, batch) -> (loss, metric sums): compiled whole where the strategy does."""
+def make_forward_loss(strategy, max_length: int, class_weights: torch.Tensor | None = None):
+    """forward_loss(model, batch) -> (loss, metric sums): compiled whole where the strategy does.
+
+    With `class_weights` (--class-weights, one per class, on the device) the loss is the weighted
+    mean, sum(w[y] x loss) / sum(w[y]) over the batch: `F.cross_entropy(weight=...)`, packed or padded.
+    """
 
     def forward_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         with strategy.autocast():  # mixed precision: matmuls and attention in 16 bits (speedups/amp.py)
             logits = classify(model, batch, max_length)
-        loss = F.cross_entropy(logits.float(), batch["labels"])
+        loss = F.cross_entropy(logits.float(), batch["labels"], weight=class_weights)
         return loss, metric_sums(loss, logits, batch["labels"])
 
     return strategy.compile_step(forward_loss)
+
+
+def class_weights(setting, train_labels: np.ndarray, label_names: list) -> list | None:
+    """--class-weights as the loss's weight of each class: 'balanced' is scikit-learn's
+    n_samples / (n_classes x count) over the training split as used (--train-size); a list is checked."""
+    if setting is None:
+        return None
+    k = len(label_names)
+    if setting != "balanced":
+        if len(setting) != k:
+            raise ValueError(f"--class-weights gives {len(setting)} weight(s), the data has {k} classes "
+                             f"({', '.join(label_names[:10])}{', ...' if k > 10 else ''}): give one each")
+        return list(setting)
+    counts = np.bincount(train_labels, minlength=k)
+    if not counts.all():
+        missing = label_names[int(np.argmin(counts))]
+        raise ValueError(f"--class-weights balanced: the {len(train_labels)} training examples used hold no "
+                         f"{missing!r}, so its weight would be infinite; use more (--train-size) or give the weights")
+    return (len(train_labels) / (k * counts)).tolist()
 
 
 def train_step(strategy, micro_batches: list[dict], forward_loss) -> torch.Tensor:

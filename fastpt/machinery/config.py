@@ -6,8 +6,9 @@ one-line message that names the bad setting, before any data is read or any fold
 Validation happens once, on the values given. Two steps then derive values, before the run
 starts and never after: `cli/shell.py:resolve_config` fills in every "decide for me" setting
 (absolute paths, loader workers and pinned memory, fused Adam on CUDA), and
-`loop/build.py:load_inputs` records what the data says (`label_names`, `data_splits`). Both
-only resolve what was left open; neither changes a value that was checked. The resolved config
+`loop/build.py:load_inputs` records what the data says (`label_names` unless --label-names gave
+them, `data_splits`, `class_weight_values`) and checks the given names and weights against the
+number of classes. Both only resolve what was left open; neither changes a value that was checked. The resolved config
 is saved as `config.json` next to the results and inside every checkpoint.
 
 Defaults are the article's run: distilbert-base-uncased, 3 epochs, batch 12, Adam 5e-5,
@@ -37,6 +38,8 @@ CHOICES = {
     "attn_implementation": ("sdpa", "eager"),
     "strategy": ("single",) + STRATEGIES,
     "zero_stage": (1, 2, 3),
+    "optimizer": ("adam", "adamw"),
+    "lr_schedule": ("constant", "linear", "cosine"),
 }
 
 # Settings that mean something only beside a switch: (the switch's flag, whether a config has it on).
@@ -49,6 +52,7 @@ NEEDS = {
     "deepspeed_config": ("--deepspeed", lambda c: c.get("strategy") == "deepspeed"),
     "fsdp_reshard_after_forward": ("--fsdp", lambda c: c.get("strategy") == "fsdp"),
     "min_delta": ("--early-stopping-patience", lambda c: c.get("early_stopping_patience") is not None),
+    "weight_decay": ("--optimizer adamw", lambda c: c.get("optimizer") == "adamw"),
     # Your own data (fastpt/inputs/own_data.py): these describe the table --data names.
     **{name: ("--data", lambda c: c.get("data")) for name in (
         "val_data", "test_data", "text_column", "text_pair_column", "label_column", "val_fraction",
@@ -60,8 +64,12 @@ RESUME_SENSITIVE = (
     "model", "random_init", "max_length", "batch_size", "lr", "seed", "grad_accum",
     "train_size", "strategy", "amp", "amp_dtype", "zero_stage", "bucket", "pad_to", "pack",
     "data", "val_data", "test_data", "text_column", "text_pair_column", "label_column", "val_fraction",
-    "test_fraction", "split_seed",
+    "test_fraction", "split_seed", "optimizer", "weight_decay", "lr_schedule", "warmup_ratio", "warmup_steps",
+    "class_weights",
 )
+# Of those, the ones added after runs were first saved: a config.json or last.pt without them ran with
+# their defaults (the article's Adam at a constant rate, an unweighted loss).
+LATER_SETTINGS = ("optimizer", "weight_decay", "lr_schedule", "warmup_ratio", "warmup_steps", "class_weights")
 
 
 # --requeue-signal: by name without SIG, as sbatch --signal writes it; the ones a job is sent and can catch.
@@ -91,6 +99,7 @@ class TrainConfig:
     split_seed: int = 0  # the carving's shuffle (not --seed: a new --seed keeps the split)
     export_dir: Optional[str] = None  # the tested weights as a Hugging Face model folder
     # Derived while loading the data (load_inputs), written to config.json and best.pt: id i is label_names[i].
+    # --label-names gives them for --data's integer labels (a comma list, one name per label, in the ids' order).
     label_names: Optional[list] = None
     data_splits: Optional[dict] = None  # where each split came from
 
@@ -100,6 +109,16 @@ class TrainConfig:
     lr: float = 5e-5
     seed: int = 123
     max_steps: Optional[int] = None
+
+    # Optimiser, schedule and loss as transformers' Trainer has them (strategies/optimizer.py); the
+    # defaults are the article's: Adam at a constant rate, plain cross-entropy.
+    optimizer: str = "adam"  # or adamw: decoupled weight decay
+    weight_decay: float = 0.0  # with adamw: on every weight but biases and LayerNorm weights
+    lr_schedule: str = "constant"  # or linear / cosine decay to 0 over the run's optimiser steps
+    warmup_ratio: Optional[float] = None  # the share of the run's steps warming up from 0 (rounded up)
+    warmup_steps: Optional[int] = None  # or that many steps
+    class_weights: Optional[object] = None  # "balanced" or one weight per class (a comma list on the command line)
+    class_weight_values: Optional[list] = None  # derived while loading the data: the loss's weight of each class
 
     # Lightning behaviours reproduced by hand.
     early_stopping_patience: Optional[int] = None
@@ -162,7 +181,7 @@ class TrainConfig:
             if value is not None and value <= 0:
                 raise ValueError(f"--{flag_name(name)} must be positive, got {value}")
         # float("nan") and float("inf") parse as floats; none of these settings means anything with them.
-        for name in ("lr", "min_delta", "max_grad_norm"):
+        for name in ("lr", "min_delta", "max_grad_norm", "weight_decay", "warmup_ratio"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"--{flag_name(name)} must be a finite number, got {value}")
@@ -210,7 +229,33 @@ class TrainConfig:
             raise ValueError("--data-on-device gathers batches on the device: drop --num-workers / --pin-memory")
         if self.early_stopping_patience is None and self.min_delta != 0.0:
             raise ValueError("--min-delta needs --early-stopping-patience")
+        self._check_optimisation()
         self._check_own_data()
+
+    def _check_optimisation(self) -> None:
+        """--weight-decay, the warmup, --class-weights and --label-names (parsed here from their comma lists)."""
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.weight_decay and self.optimizer != "adamw":
+            raise ValueError("--weight-decay needs --optimizer adamw")
+        if self.warmup_ratio is not None and self.warmup_steps is not None:
+            raise ValueError("--warmup-ratio and --warmup-steps both set the warmup; give one of them")
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"--warmup-ratio must be between 0 and 1, got {self.warmup_ratio}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if isinstance(self.class_weights, str) and self.class_weights != "balanced":
+            self.class_weights = parse_class_weights(self.class_weights)
+        elif isinstance(self.class_weights, (list, tuple)):
+            self.class_weights = parse_class_weights(",".join(map(str, self.class_weights)))
+        if isinstance(self.label_names, str):
+            names = [name.strip() for name in self.label_names.split(",")]
+            if self.data is None:
+                raise ValueError("--label-names names --data's integer labels; IMDB's are neg, pos already")
+            if not all(names) or len(set(names)) < len(names):
+                raise ValueError(f"--label-names {self.label_names!r}: give one distinct, non-empty name per "
+                                 f"label, comma-separated (e.g. neg,pos)")
+            self.label_names = names
 
     def _check_own_data(self) -> None:
         """--data's settings; defaults filled in here, so a resumed run compares what ran."""
@@ -251,6 +296,21 @@ class TrainConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def parse_class_weights(text: str) -> list:
+    """--class-weights as a comma list: one positive, finite number per class; ValueError naming the bad one."""
+    weights = []
+    for item in text.split(","):
+        try:
+            weight = float(item)
+        except ValueError:
+            raise ValueError(f"--class-weights {text!r}: {item.strip()!r} is not a number; give 'balanced' or one "
+                             f"weight per class, comma-separated (e.g. 1,3.5)") from None
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"--class-weights {text!r}: every weight must be a positive number, got {item.strip()}")
+        weights.append(weight)
+    return weights
 
 
 def usable_cores() -> int:

@@ -1,4 +1,5 @@
-"""Training strategies behind one interface (see base.py): single device, DDP, FSDP, DeepSpeed."""
+"""Training strategies behind one interface (see base.py): single device, DDP, FSDP, DeepSpeed; each builds
+its optimiser and learning-rate schedule from optimizer.py."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from fastpt.machinery.config import TrainConfig
 from fastpt.machinery.distributed import DistInfo
 from fastpt.speedups.amp import MixedPrecision
 from fastpt.speedups.compile import apply_compile, mark_token_dim_dynamic
+from fastpt.strategies.optimizer import build_lr_scheduler, build_optimizer
 
 
 class Strategy:
@@ -39,16 +40,19 @@ class Strategy:
         self.module: torch.nn.Module | None = None  # the plain model: what checkpoints hold
         self.model: torch.nn.Module | None = None  # what the step calls: wrapped (DDP, FSDP, engine)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler = None  # --lr-schedule / warmup (optimizer.py); None: the article's constant rate
+        self.step_lr: float | None = None  # the learning rate the last step trained with (logged)
         self._previous_scale: torch.Tensor | None = None  # the loss scale after the last step (step_was_skipped)
+        self._skipped: torch.Tensor | None = None  # whether the scaler skipped the last step, on the device
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler:
         return self.precision.grad_scaler
 
     # ------------------------------------------------------------------ setup
-    def setup(self, model: torch.nn.Module) -> None:
+    def setup(self, model: torch.nn.Module, training_steps: int | None = None) -> None:
         """The one order: to device -> wrap (DDP compiles, then wraps; FSDP compiles, then shards each layer)
-        -> optimizer.
+        -> optimizer -> learning-rate schedule (over `training_steps` optimiser steps).
 
         The optimizer is built last, from the parameters as they finally are (FSDP replaces
         them with sharded DTensors).
@@ -56,6 +60,7 @@ class Strategy:
         self.module = model.to(self.device)
         self.model = self.wrap(self.module)
         self.optimizer = self.build_optimizer(self.module)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg, training_steps)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         """Nothing on one device: `compile_step` compiles the whole step function instead."""
@@ -73,7 +78,7 @@ class Strategy:
         return apply_compile(fn, self.cfg.compile_mode, fullgraph=True)
 
     def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
-        """The article's Adam (lr 5e-5, no weight decay), fused where asked or on CUDA.
+        """The article's Adam (lr 5e-5, no weight decay), or AdamW (optimizer.py), fused where asked or on CUDA.
 
         PyTorch's default Adam on CUDA is the foreach implementation: each step of Adam's update
         (moments, bias correction, the weight update) is one multi-tensor kernel over the parameters,
@@ -83,7 +88,7 @@ class Strategy:
         over the parameter tensors (no foreach kernels there); fused runs on the CPU too.
         """
         fused = self.cfg.fused_adam if self.cfg.fused_adam is not None else self.device.type == "cuda"
-        return torch.optim.Adam(module.parameters(), lr=self.cfg.lr, fused=fused or None)
+        return build_optimizer(module, self.cfg, fused)
 
     # ------------------------------------------------------------------ the step
     def to_device(self, batch: dict) -> dict:
@@ -104,13 +109,20 @@ class Strategy:
         self.grad_scaler.scale(loss).backward()  # float16: scaled up so small gradients do not underflow
 
     def optimizer_step(self) -> None:
-        """The GradScaler's remaining calls in their order around clipping and the step."""
+        """The GradScaler's remaining calls in their order around clipping and the step; then the schedule."""
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
         if self.cfg.max_grad_norm is not None:
             self.grad_scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             self.clip_grad_norm_(self.cfg.max_grad_norm)
         self.grad_scaler.step(self.optimizer)  # skipped if the gradients hold inf/NaN
         self.grad_scaler.update()  # lower the scale after a skipped step, raise it after many good ones
         self.optimizer.zero_grad(set_to_none=True)
+        if self.grad_scaler.is_enabled():
+            self._skipped = self._scale_fell()
+        # The next step's rate; a skipped step (no update) leaves it, as transformers' Trainer does: the
+        # one host read per step here, and only under float16 with a schedule (optimizer.py).
+        if self.lr_scheduler is not None and not (self._skipped is not None and bool(self._skipped)):
+            self.lr_scheduler.step()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients so that their global norm is at most max_norm; that norm, as a plain tensor.
@@ -129,11 +141,12 @@ class Strategy:
         return self.grad_scaler.is_enabled()
 
     def step_was_skipped(self) -> torch.Tensor:
-        """Whether the scaler skipped the step just taken (inf/NaN gradients): a bool on the device, no host read.
+        """Whether the scaler skipped the step just taken (inf/NaN gradients): a bool on the device, no host read."""
+        return self._skipped if self._skipped is not None else torch.tensor(False)
 
-        GradScaler halves its scale on every skipped step and lowers it at no other time (it doubles
-        it after 2000 good steps in a row), so a scale below the previous step's marks a skip.
-        """
+    def _scale_fell(self) -> torch.Tensor:
+        """GradScaler halves its scale on every skipped step and lowers it at no other time (it doubles
+        it after 2000 good steps in a row), so a scale below the previous step's marks a skip."""
         scale, initial = self.precision.live_scale()  # the live tensor: update() changes it in place
         # Before the first step: the scale it started from (the initial one, or the checkpoint's after a resume).
         previous = self._previous_scale if self._previous_scale is not None else initial
@@ -157,12 +170,22 @@ class Strategy:
             "model": self.model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.precision.state_dict(),
+            **self.schedule_state(),
         }
 
     def load_training_state(self, state: dict, ckpt_dir: Path) -> None:
         self.load_model_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["scaler"])
+        self.load_schedule_state(state)
+
+    def schedule_state(self) -> dict:
+        """The schedule's position (its step count; the rate itself is in the optimiser's param groups)."""
+        return {"lr_scheduler": self.lr_scheduler.state_dict()} if self.lr_scheduler is not None else {}
+
+    def load_schedule_state(self, state: dict) -> None:
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def memory_report(self) -> dict:
         """Bytes of parameters, gradients and optimiser state held by this rank."""

@@ -26,7 +26,11 @@ The config is generated from fastpt's flags (`deepspeed_config`): --zero-stage, 
 is compared with the same engine: gradients reduced in 2e8-element buckets while the backward
 still runs (`overlap_comm`, which DeepSpeed by itself turns on only for stage 3), into one
 contiguous buffer. `--deepspeed-config FILE` replaces it with the user's JSON; settings the data
-loader and the loop depend on are checked against the flags.
+loader and the loop depend on are checked against the flags. The optimiser (Adam or AdamW with
+Trainer's groups) and the learning-rate schedule are fastpt's (optimizer.py), handed to
+`deepspeed.initialize` as the client optimiser and `lr_scheduler`: the engine steps the schedule
+after each step without an fp16 overflow and keeps it in its checkpoints. A JSON that names its
+own `optimizer` or `scheduler` replaces them, and --optimizer / --lr-schedule are then refused.
 
 Checkpoints: resume state goes through `engine.save_checkpoint` (every rank writes its shard;
 last.pt records the tag); a run on another number of processes loads it through DeepSpeed's
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -58,6 +63,7 @@ from fastpt.machinery.config import TrainConfig
 from fastpt.machinery import distributed
 from fastpt.machinery.errors import CheckpointError
 from fastpt.strategies.base import Strategy, local_bytes
+from fastpt.strategies.optimizer import build_lr_scheduler, has_schedule
 
 
 def _written_by(tag_folder: Path) -> int:
@@ -110,6 +116,7 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict:
         raise ValueError(f"--deepspeed-config {cfg.deepspeed_config} holds {kind}, not a JSON object of "
                          f"DeepSpeed settings ({{\"zero_optimization\": ...}})")
     _check_user_config(user, generated)
+    _check_user_optimizer(user, cfg)
     fixed = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "steps_per_print")
     return {**{k: generated[k] for k in fixed}, **user}
 
@@ -147,6 +154,16 @@ def _check_user_config(user: dict, generated: dict) -> None:
         if bool(user.get(dtype, {}).get("enabled", False)) != wanted:
             raise ValueError(f"--deepspeed-config {'enables' if not wanted else 'does not enable'} {dtype}, "
                              f"but --amp/--amp-dtype say the opposite")
+
+
+def _check_user_optimizer(user: dict, cfg: TrainConfig) -> None:
+    """A JSON that names DeepSpeed's own optimiser or scheduler replaces fastpt's: their flags would do nothing."""
+    if "optimizer" in user and (cfg.optimizer != "adam" or cfg.weight_decay):
+        raise ValueError("--deepspeed-config names its own optimizer; drop --optimizer / --weight-decay, or the "
+                         "JSON's \"optimizer\" section")
+    if "scheduler" in user and has_schedule(cfg):
+        raise ValueError("--deepspeed-config names its own scheduler; drop --lr-schedule / --warmup-ratio / "
+                         "--warmup-steps, or the JSON's \"scheduler\" section")
 
 
 # ---------------------------------------------------------------------------- loading its files safely
@@ -235,8 +252,9 @@ def check_resume(training: dict, ckpt_dir: Path) -> None:
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
 
-    def setup(self, model: torch.nn.Module) -> None:
-        """Build the engine: it moves the model to the device, casts it (--amp) and wraps the optimiser."""
+    def setup(self, model: torch.nn.Module, training_steps: int | None = None) -> None:
+        """Build the engine: it moves the model to the device, casts it (--amp), wraps the optimiser and
+        steps the schedule (after every step without an fp16 overflow) and saves it with its checkpoints."""
         import deepspeed
 
         forget_process_groups()  # an earlier run in this process that stopped before close() left them
@@ -249,9 +267,12 @@ class DeepSpeedStrategy(Strategy):
         self.ds_config = deepspeed_config(self.cfg, self.dist.world_size)
         # Our Adam, unless the user's JSON names DeepSpeed's own optimiser.
         client_optimizer = None if "optimizer" in self.ds_config else self.build_optimizer(model)
+        # Ours, built on the optimiser the engine steps, unless the JSON names DeepSpeed's own (or none is asked).
+        schedule = (None if "scheduler" in self.ds_config or not has_schedule(self.cfg)
+                    else functools.partial(build_lr_scheduler, cfg=self.cfg, training_steps=training_steps))
         with contextlib.nullcontext() if talk else contextlib.redirect_stdout(io.StringIO()):
-            self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
-                                                       config=self.ds_config)
+            self.model, _, _, self.lr_scheduler = deepspeed.initialize(
+                model=model, optimizer=client_optimizer, lr_scheduler=schedule, config=self.ds_config)
         self.module = self.model.module
         self.optimizer = self.model.optimizer  # the ZeRO wrapper; param_groups reach the inner Adam
         self.zero_stage = self.model.zero_optimization_stage()
@@ -284,7 +305,8 @@ class DeepSpeedStrategy(Strategy):
         self.model.backward(loss, scale_wrt_gas=False)
 
     def optimizer_step(self) -> None:
-        """Unscale (fp16), clip to gradient_clipping, step, zero the gradients: all inside the engine."""
+        """Unscale (fp16), clip to gradient_clipping, step, zero the gradients, the schedule: all inside the engine."""
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.model.step()
 
     @property

@@ -135,9 +135,11 @@ class FSDPStrategy(Strategy):
             "model": self.model_state_dict(),
             "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=GATHER),
             "scaler": self.precision.state_dict(),
+            **self.schedule_state(),
         }
 
     def load_training_state(self, state: dict, ckpt_dir: Path) -> None:
         self.load_model_state_dict(state["model"])
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=SCATTER)
         self.precision.load_state_dict(state["scaler"])
+        self.load_schedule_state(state)
