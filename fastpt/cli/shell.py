@@ -146,6 +146,11 @@ def notes(cfg: TrainConfig, dist, inputs) -> list[str]:
         lines.append(f"note: --grad-accum {cfg.grad_accum}, but an epoch has {batches} batch"
                      f"{'' if batches == 1 else 'es'}{' per process' if dist.world_size > 1 else ''}: "
                      f"each epoch makes one optimiser step, over {batches}")
+    from fastpt.strategies.optimizer import has_schedule, total_steps, warmup_steps
+    steps = total_steps(cfg, batches)
+    if has_schedule(cfg) and warmup_steps(cfg, steps) >= steps:
+        lines.append(f"note: the warmup takes {warmup_steps(cfg, steps)} optimiser steps and the run makes {steps}: "
+                     f"the learning rate never reaches --lr {cfg.lr:g}")
     if cfg.amp and cfg.amp_dtype == "bfloat16" and dist.device.type == "cpu" and not cpu_has_native_bfloat16():
         lines.append("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX): --amp-dtype bfloat16 "
                      "is emulated here and slower than float32")
