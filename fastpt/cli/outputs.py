@@ -133,7 +133,8 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
                   f"macro-F1 {test['macro_f1']:.4f} "
                   f"on {test['n']} {'examples' if cfg.data else 'reviews'} | "
                   f"train time {bookkeeping.train_time_s / 60:.2f} min"
-                  + (f" | {rate:.1f} samples/s" if rate is not None else ""))
+                  + (f" | {rate:.1f} samples/s" if rate is not None else "")
+                  + (f" | MFU {100 * results['mfu']:.1f}%" if results["mfu"] is not None else ""))
     tracker.scalars({"test_acc": test["acc"], "test_loss": test["loss"], "test_macro_f1": test["macro_f1"]},
                     bookkeeping.global_step, "test/")
     tracker.scalars({f"rank{r}/{k}": v for r, m in enumerate(results["memory_per_rank"]) for k, v in m.items()},

@@ -282,6 +282,9 @@ class CommandLine:
                 below_bar = "\n" if self.cfg.progress else ""  # a line of its own, not glued to the bar
                 print(f"{below_bar}{'' if isinstance(e, Requeued) else 'stopped: '}{e}", file=sys.stderr)
             self.status = 0 if isinstance(e, Requeued) else EXIT_STOPPED  # requeued: SLURM runs it again
+            if self.dist.world_size > 1:
+                from fastpt.machinery.signals import settle
+                settle(self.status)  # the launcher's SIGTERM to the last ranks leaves the status as it is
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM while tokenising or building: nothing left behind
             from fastpt.machinery.signals import Interrupted
             if self.started and not isinstance(e, Interrupted):

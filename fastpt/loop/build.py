@@ -194,9 +194,10 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     forward_loss = make_forward_loss(strategy, cfg.max_length)
     eval_sums = make_eval_sums(strategy, cfg.max_length)
     torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
-    peak = metrics.device_peak_flops(device, cfg.amp, cfg.tf32)
+    peak = device_peak(cfg, dist, hidden)  # MFU's denominator: the vendor's figure, or measured (CPUs)
     meter = metrics.Throughput(device, WARMUP_STEPS,
-                               lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak)
+                               lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden),
+                               peak["flops_per_s"], peak_info=peak)
     stopper = GracefulStop(warning_signal=signal.Signals[f"SIG{cfg.requeue_signal}"],  # slurm.py
                            timeout_s=cfg.dist_timeout)  # a hung rank stops the others at the first step's check
     bookkeeping = Bookkeeping(cfg, dist, out_dir, tracker, meter, stopper, strategy.skips_nonfinite_steps,
@@ -223,3 +224,16 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         stopper.uninstall()
         strategy.close()
         tracker.close()
+
+
+def device_peak(cfg, dist, hidden: int) -> dict:
+    """The dense peak FLOP/s at the run's precision: the vendor's figure for a known GPU, else the best
+    rate of a short matmul probe on this device (machinery/peak.py), cached per machine."""
+    vendor = metrics.device_peak_flops(dist.device, cfg.amp, cfg.tf32)
+    if vendor is not None:
+        return {"flops_per_s": vendor, "source": f"vendor's dense figure for {torch.cuda.get_device_name(dist.device)}"}
+    from fastpt.machinery import peak
+    distributed.barrier()  # the ranks of one host probe together, sharing its cores as their steps will
+    dtype = getattr(torch, cfg.amp_dtype) if cfg.amp else torch.float32
+    return peak.measured_peak(dist.device, dtype, hidden, Path(cfg.cache_dir) if cfg.cache_dir else None,
+                              dist.local_world_size)

@@ -207,7 +207,8 @@ class Bookkeeping:
         self.bar.set_postfix(loss=f"{loss:.4f}", **({"samples/s": f"{rates['samples_per_s']:.1f}"} if rates else {}))
         if not self.tracker.progress:  # no bar to show it: one line per log step instead
             self.tracker.print(f"step {self.global_step}: loss {loss:.4f}"
-                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else ""))
+                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else "")
+                               + (f" | MFU {100 * rates['mfu']:.1f}%" if "mfu" in rates else ""))
 
     # ------------------------------------------------------------------ resume state
     def progress(self) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -64,12 +65,34 @@ def interrupt_on_signals():
         raised.append(signum)
         raise Interrupted(signum)
 
+    _settled.clear()
     previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if not _settled:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+_settled: list[int] = []  # the status a completed stop leaves with (settle)
+
+
+def settle(status: int) -> None:
+    """A rank's stop is complete (last.pt on disk, the line printed): from now on SIGTERM or SIGINT
+    ends the process at once with the same status. A launcher stops the other ranks as soon as one
+    has exited (torchrun; srun --kill-on-bad-exit), and its signal must not turn a clean stop
+    (status 3) into a kill (143). For multi-process runs only: the process is about to exit."""
+    _settled[:] = [status]
+
+    def leave(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, leave)
 
 
 _held: list[int] = []  # the warning signal, if it arrived before GracefulStop was installed
