@@ -76,3 +76,12 @@ def test_the_cpu_identity_names_the_model_and_a_digest_of_its_flags():
     cpu = peak.cpu_identity()
     assert cpu["model"] and len(cpu["flags_sha1"]) == 12
     assert cpu["capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_the_probe_leaves_the_random_state_alone(tmp_path):
+    """A run whose peak was cached and one that measured it draw the same dropout masks."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    peak.measured_peak(torch.device("cpu"), torch.float32, 16, tmp_path)
+    assert torch.equal(torch.rand(4), expected)

@@ -193,8 +193,8 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     strategy.setup(model)  # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer (strategies/base.py)
     forward_loss = make_forward_loss(strategy, cfg.max_length)
     eval_sums = make_eval_sums(strategy, cfg.max_length)
-    torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
     peak = device_peak(cfg, dist, hidden)  # MFU's denominator: the vendor's figure, or measured (CPUs)
+    torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
     meter = metrics.Throughput(device, WARMUP_STEPS,
                                lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden),
                                peak["flops_per_s"], peak_info=peak)
