@@ -6,6 +6,7 @@ Read these, the lessons:
     loop/        the training loop and what it is made of
         step.py            the training step and the epoch loop, as the textbook writes them
         evaluation.py      no_grad evaluation, larger batches, split across ranks
+        inference.py       predictions on new texts: inference_mode, length-sorted large batches
         early_stopping.py  Lightning's EarlyStopping and best-checkpoint rules, exactly
         build.py           the build step: inputs, loaders, model, strategy.setup, bookkeeping, as plain parts
         record.py          the run's record: history, best epoch, early stopping, validation time
@@ -31,7 +32,8 @@ Skip these on a first read, the machinery a real run needs:
                  signals (graceful stop), distributed (process group, collectives), slurm (srun's process
                  group, requeue before a time limit), resize (resume on another number of processes), errors
     cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan),
-                 outputs (what a run writes in its folder: best.pt, last.pt, results.json, the export)
+                 outputs (what a run writes in its folder: best.pt, last.pt, results.json, predictions.csv,
+                 the export), predictions (that file's columns), predict (the fastpt-predict command)
 
 Imports go one way, down this order: cli/ -> loop/ -> strategies/ -> inputs/ -> speedups/ -> machinery/;
 no folder imports one above it (tests/test_layout.py holds that).

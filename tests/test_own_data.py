@@ -315,7 +315,8 @@ def test_without_data_the_own_data_flags_are_refused(tiny_args, capsys):
 
 
 def test_ddp_confusion_counts_each_test_row_once(tmp_path, cache_dir):
-    """Two gloo ranks, 31 test rows (unequal shares): the all-reduced confusion equals one process's on best.pt."""
+    """Two gloo ranks, 31 test rows (unequal shares): the all-reduced confusion equals one process's on best.pt,
+    and predictions.csv (gathered from both ranks) holds each row once and counts to it."""
     import os
     import subprocess
     import sys
@@ -351,6 +352,12 @@ def test_ddp_confusion_counts_each_test_row_once(tmp_path, cache_dir):
     single = evaluate(strategy, loader, num_labels=len(names))
     assert single["confusion"] == results["test_confusion"]
     assert single["macro_f1"] == pytest.approx(results["test_macro_f1"])
+    # predictions.csv, gathered from both ranks: each test row once, in the file's order, counting to the confusion
+    with open(out / "predictions.csv", newline="") as f:
+        predicted = list(csv.DictReader(f))
+    assert [int(p["row"]) for p in predicted] == list(range(31))
+    assert [[sum(p["label"] == a and p["predicted"] == b for p in predicted) for b in names] for a in names] \
+        == results["test_confusion"]
 
 
 def test_resume_with_own_data_continues_and_a_changed_column_is_refused(own_args, tmp_path, capsys):

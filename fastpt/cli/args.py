@@ -14,7 +14,7 @@ import sys
 from fastpt.machinery.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, flag_name
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but errors are one line on stderr and exit code 2 (no usage dump).
 
     Under torchrun every rank parses the same command line; only rank 0 prints the line.
@@ -26,7 +26,7 @@ class _OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
+class DefaultsFormatter(argparse.HelpFormatter):
     """Shows each flag's default once: appended unless the help already says it.
 
     On/off switches (store_true / store_false) show none: the flag's name says what it turns on or off.
@@ -42,10 +42,10 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = _OneLineParser(
+    p = OneLineParser(
         description="Fine-tune a text classifier in plain PyTorch (by default DistilBERT on IMDB, or --data your "
                     "own table), with every speed-up behind a flag.",
-        formatter_class=_DefaultsFormatter,
+        formatter_class=DefaultsFormatter,
         allow_abbrev=False,  # no prefixes: a new flag must never change what an abbreviation meant
     )
     g = p.add_argument_group("model and data")

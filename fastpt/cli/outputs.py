@@ -1,5 +1,5 @@
 """What a run writes into its folder, and what a resume reads back: checkpoints/best.pt,
-checkpoints/last.pt, results.json and the --export-dir model folder.
+checkpoints/last.pt, results.json, predictions.csv and the --export-dir model folder.
 
 Each function takes what it writes as arguments; train.py calls them in the run's order. The
 run's own record (the epochs' history, validation times, the best and early-stopping trackers,
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from fastpt.inputs import data
+from fastpt.inputs import data, imdb, own_data, token_cache
 from fastpt.loop.evaluation import per_class
 from fastpt.loop.record import RunRecord
 from fastpt.machinery import checkpoint, distributed, metrics
+from fastpt.machinery.errors import DataError
 
 
 def save_best(ckpt_dir: Path, cfg, dist, strategy, epoch: int, step: int, value: float) -> None:
@@ -144,6 +145,50 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
                                     if results[k] is not None})
     tracker.write_json("results.json", results)
     return results
+
+
+def write_predictions(out_dir: Path, cfg, dist, inputs, test: dict, tracker) -> None:
+    """predictions.csv: each test example once, in the test split's order (cli/predictions.py has the columns).
+
+    Rank 0 writes it from evaluate's per-example outputs (every rank's, gathered), so its predicted
+    column counts to results.json's test_confusion exactly. Where each example is and its text are
+    read again from the data (IMDB: a few seconds for the tarball); if that no longer matches the
+    split the run tested (the file was changed since), the rows say only their place in the split."""
+    if not dist.is_main:
+        return
+    from fastpt.cli.predictions import preview, write_predictions as write
+
+    per_example, names = test["per_example"], inputs.label_names
+    gold = [names[i] for i in inputs.splits["test"].labels]
+    try:
+        leading = test_rows(cfg, inputs, gold)
+    except DataError as e:
+        leading = {"test_row": list(range(len(gold)))}
+        tracker.print(f"note: predictions.csv names each example by its place in the test split only: {e}")
+    leading = {**leading, "text": [preview(t) for t in leading.pop("text", [""] * len(gold))], "label": gold}
+    write(out_dir / "predictions.csv", leading, names, per_example["predicted"], per_example["probabilities"])
+
+
+def test_rows(cfg, inputs, gold: list) -> dict:
+    """{'row' (own data) or 'review' (IMDB): where each test example is, 'text': its text}, read again;
+    DataError unless the re-read split has the tested split's examples and labels."""
+    n = len(gold)
+    if cfg.data:
+        table = own_data.gather_splits(cfg)[0]["test"]
+        labels = table.columns[cfg.label_column][:n]
+        read = [str(table.label_names[v]) if table.label_names else str(v) for v in labels]
+        where = {"row": table.row_numbers()[:n], "text": table.columns[cfg.text_column][:n]}
+    else:
+        keys = token_cache.split_keys(inputs.cache_path)["test"][:n]
+        reviews = imdb.read_reviews(imdb.find_source(cfg.data_dir))
+        text_of = dict(zip(reviews.keys, reviews.texts))
+        if not all(key in text_of for key in keys):
+            raise DataError("the IMDB data no longer holds every tested review")
+        read = [inputs.label_names[int(key.split("/")[1] == "pos")] for key in keys]
+        where = {"review": keys, "text": [text_of[key].replace("<br />", " ") for key in keys]}
+    if read != gold:
+        raise DataError("the data read again differs from the tested split (changed since the run started?)")
+    return where
 
 
 def export(export_dir: str, dist, strategy, inputs, tracker) -> None:

@@ -83,17 +83,24 @@ class Table:
     lines: Optional[list] = None  # each row's line in the file (CSV, JSON Lines), for messages
     label_names: Optional[list] = None  # a ClassLabel column's names
     notes: list = field(default_factory=list)  # what reading changed or noticed, one line each
+    rows: Optional[list] = None  # a carved split's rows in the table it came from (None: 0, 1, 2, ...)
 
     def __len__(self) -> int:
         return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def row_numbers(self) -> list:
+        """Each row's place (from 0) among the data rows of the file or split it was read from."""
+        return list(self.rows) if self.rows is not None else list(range(len(self)))
 
     def place(self, i: int) -> str:
         return f"line {self.lines[i]}" if self.lines else f"row {i + 1}"
 
     def select(self, idx) -> "Table":
         idx = list(idx)
+        numbers = self.row_numbers()
         return Table({k: [v[i] for i in idx] for k, v in self.columns.items()}, self.where,
-                     [self.lines[i] for i in idx] if self.lines else None, self.label_names)
+                     [self.lines[i] for i in idx] if self.lines else None, self.label_names,
+                     rows=[numbers[i] for i in idx])
 
 
 # ---------------------------------------------------------------------------- reading

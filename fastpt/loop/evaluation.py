@@ -21,22 +21,29 @@ runs scored 9,984 of 10,000 test reviews for the second reason: 10,000 / 4 ranks
 sampler repeated nothing, but their test loader kept `drop_last=True`, so each rank ran 208 full
 batches of 12 (208 x 12 x 4 = 9,984). Weights of 0 on the padding avoid both duplicates and
 drops here.
+
+With `per_example` (the test split, for predictions.csv) each rank also keeps its examples'
+probabilities and predicted ids (the argmax the confusion counts, so the file and the counts
+agree exactly), and one all-gather puts them on every rank in the split's order, each example
+once: the weight-0 filler is dropped and the sampler's (index, weight) pairs say whose is whose.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fastpt.loop.step import classify
-from fastpt.machinery.distributed import all_reduce_sum
+from fastpt.machinery.distributed import all_gather_object, all_reduce_sum
 
 
 def make_eval_sums(strategy, max_length: int):
-    """eval_sums(model, batch) -> [weighted loss sum, weighted correct, weight, confusion (K x K, flat)]:
-    compiled like the step. confusion[true * K + predicted] counts each example by its weight."""
+    """eval_sums(model, batch) -> (sums, logits, predicted), compiled like the step: sums = [weighted loss sum,
+    weighted correct, weight, confusion (K x K, flat)]; confusion[true * K + predicted] counts each example by
+    its weight. The logits and predicted ids are for `per_example` (predictions.csv)."""
 
     def eval_sums(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         with strategy.autocast():
@@ -48,30 +55,38 @@ def make_eval_sums(strategy, max_length: int):
         k = logits.shape[-1]
         confusion = torch.zeros(k * k, dtype=torch.float64, device=logits.device).index_add_(
             0, batch["labels"] * k + predicted, weight)
-        return torch.cat([torch.stack([(losses * weight).sum(), (correct * weight).sum(), weight.sum()]), confusion])
+        sums = torch.cat([torch.stack([(losses * weight).sum(), (correct * weight).sum(), weight.sum()]), confusion])
+        return sums, logits, predicted
 
     return strategy.compile_step(eval_sums)
 
 
 @torch.no_grad()
-def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num_labels: int = 2) -> dict:
+def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num_labels: int = 2,
+             per_example: bool = False) -> dict:
     """{'loss', 'acc', 'macro_f1', 'confusion', 'n'} over the whole split, identical on every rank; and its
     'time_s' (host time, ending with the read of the sums: synchronised) and 'compile_s' (the part of it
-    spent in calls that compiled a graph, by the compile clock). The bar, if any, is closed."""
+    spent in calls that compiled a graph, by the compile clock). The bar, if any, is closed. With
+    `per_example`, 'per_example' too: `gather_per_example`'s probabilities and predicted ids, in the split's order."""
     eval_sums = eval_sums or make_eval_sums(strategy, strategy.cfg.max_length)
     began, compiled_before = time.perf_counter(), compile_clock.seconds if compile_clock is not None else 0.0
     was_training = strategy.model.training
     strategy.train(False)
     # loss sum, correct, examples, then the confusion counts
     sums = torch.zeros(3 + num_labels ** 2, dtype=torch.float64, device=strategy.device)
+    kept = []  # per_example: each batch's (probabilities, predicted), on the device until the end
     for batch in loader:
         start = time.perf_counter()
-        sums += eval_sums(strategy.model, strategy.to_device(batch))
+        batch_sums, logits, predicted = eval_sums(strategy.model, strategy.to_device(batch))
+        sums += batch_sums
+        if per_example:  # copies: a CUDA-graph replay overwrites its outputs
+            kept.append((torch.softmax(logits.detach().float(), dim=-1), predicted.clone()))
         if compile_clock is not None:
             compile_clock.tick(since=start)
         if bar is not None:
             bar.update(1)
     all_reduce_sum(sums)
+    outputs = gather_per_example(loader.batch_sampler, kept) if per_example else None
     strategy.train(was_training)
     values = sums.tolist()
     time_s = time.perf_counter() - began
@@ -82,7 +97,28 @@ def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num
                  for i in range(num_labels)]
     return {"loss": loss_sum / max(n, 1), "acc": correct / max(n, 1), "macro_f1": macro_f1(confusion),
             "confusion": confusion, "n": int(round(n)), "time_s": time_s,
-            "compile_s": compile_clock.seconds - compiled_before if compile_clock is not None else 0.0}
+            "compile_s": compile_clock.seconds - compiled_before if compile_clock is not None else 0.0,
+            **({"per_example": outputs} if per_example else {})}
+
+
+def gather_per_example(batch_sampler, kept: list) -> dict:
+    """{'probabilities' [n, K] float32, 'predicted' [n] int64}: row i is the split's example i, on every rank.
+
+    `kept` holds this rank's batches in the sampler's order; the sampler's (index, weight) pairs name
+    the examples, and weight 0 marks the filler that evens out ranks, dropped here. One all-gather."""
+    items = [item for batch in batch_sampler for item in batch]
+    index = np.array([i for i, _ in items], dtype=np.int64)
+    real = np.array([w > 0 for _, w in items], dtype=bool)
+    probabilities = torch.cat([p for p, _ in kept]).cpu().numpy() if kept else np.zeros((0, 0), np.float32)
+    predicted = torch.cat([p for _, p in kept]).cpu().numpy() if kept else np.zeros(0, np.int64)
+    ranks = all_gather_object((index[real], probabilities[real], predicted[real]))
+    index = np.concatenate([r[0] for r in ranks])
+    order = np.argsort(index, kind="stable")
+    if not np.array_equal(index[order], np.arange(len(index))):  # every example exactly once
+        raise RuntimeError(f"the ranks' evaluation shards do not cover the split once: {len(index)} examples, "
+                           f"{len(np.unique(index))} distinct")
+    return {"probabilities": np.concatenate([r[1] for r in ranks])[order],
+            "predicted": np.concatenate([r[2] for r in ranks])[order]}
 
 
 def per_class(confusion: list, names: list) -> dict:
