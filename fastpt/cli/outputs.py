@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fastpt.inputs import data, imdb, own_data, token_cache
+from fastpt.inputs import data, own_data, token_cache
 from fastpt.loop.evaluation import per_class
 from fastpt.loop.record import RunRecord
 from fastpt.machinery import checkpoint, distributed, metrics
@@ -151,9 +151,10 @@ def write_predictions(out_dir: Path, cfg, dist, inputs, test: dict, tracker) -> 
     """predictions.csv: each test example once, in the test split's order (cli/predictions.py has the columns).
 
     Rank 0 writes it from evaluate's per-example outputs (every rank's, gathered), so its predicted
-    column counts to results.json's test_confusion exactly. Where each example is and its text are
-    read again from the data (IMDB: a few seconds for the tarball); if that no longer matches the
-    split the run tested (the file was changed since), the rows say only their place in the split."""
+    column counts to results.json's test_confusion exactly. Where each example is: IMDB's review
+    file names come from the token cache (no text: the tarball is not read again); --data's rows
+    and texts are read again from the file, and if that no longer matches the split the run tested
+    (the file was changed since), the rows say only their place in the split."""
     if not dist.is_main:
         return
     from fastpt.cli.predictions import preview, write_predictions as write
@@ -165,13 +166,15 @@ def write_predictions(out_dir: Path, cfg, dist, inputs, test: dict, tracker) -> 
     except DataError as e:
         leading = {"test_row": list(range(len(gold)))}
         tracker.print(f"note: predictions.csv names each example by its place in the test split only: {e}")
-    leading = {**leading, "text": [preview(t) for t in leading.pop("text", [""] * len(gold))], "label": gold}
+    if "text" in leading:
+        leading["text"] = [preview(t) for t in leading["text"]]
+    leading["label"] = gold
     write(out_dir / "predictions.csv", leading, names, per_example["predicted"], per_example["probabilities"])
 
 
 def test_rows(cfg, inputs, gold: list) -> dict:
-    """{'row' (own data) or 'review' (IMDB): where each test example is, 'text': its text}, read again;
-    DataError unless the re-read split has the tested split's examples and labels."""
+    """{'row' and 'text' (own data, read again) or 'review' (IMDB, its file)}: where each test example is;
+    DataError unless what was read has the tested split's examples and labels."""
     n = len(gold)
     if cfg.data:
         table = own_data.gather_splits(cfg)[0]["test"]
@@ -180,12 +183,8 @@ def test_rows(cfg, inputs, gold: list) -> dict:
         where = {"row": table.row_numbers()[:n], "text": table.columns[cfg.text_column][:n]}
     else:
         keys = token_cache.split_keys(inputs.cache_path)["test"][:n]
-        reviews = imdb.read_reviews(imdb.find_source(cfg.data_dir))
-        text_of = dict(zip(reviews.keys, reviews.texts))
-        if not all(key in text_of for key in keys):
-            raise DataError("the IMDB data no longer holds every tested review")
         read = [inputs.label_names[int(key.split("/")[1] == "pos")] for key in keys]
-        where = {"review": keys, "text": [text_of[key].replace("<br />", " ") for key in keys]}
+        where = {"review": keys}
     if read != gold:
         raise DataError("the data read again differs from the tested split (changed since the run started?)")
     return where

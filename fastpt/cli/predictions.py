@@ -4,7 +4,8 @@ Columns, left to right:
 - where the example is: `row`, its place among the data rows of the file (or split) it came from,
   counted from 0 (pandas: `read_csv(file).iloc[row]`; a test split carved from --data counts in
   that file), or for IMDB `review`, its file in aclImdb/ (test/pos/1234_8.txt);
-- `text`: its first 80 characters, white space collapsed to single spaces (a preview, not the text);
+- `text`: its first 80 characters, white space collapsed to single spaces (a preview, not the text;
+  not for IMDB, whose review files are named instead);
 - `label`: the gold label's name, where the data has labels;
 - `predicted`: the predicted label's name (the argmax of the logits);
 - `prob_<name>`: each label's probability, the softmax of the logits (7 significant digits).
