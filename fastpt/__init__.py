@@ -29,6 +29,7 @@ Skip these on a first read, the machinery a real run needs:
     machinery/   config (every setting of a run: one typed dataclass, validated once; read by every layer),
                  bookkeeping (counters, device-side sums, logs), metrics (throughput, MFU, memory),
                  checkpoints (atomic, weights_only, RNG states), tracking (console, TensorBoard),
+                 shared_cache (a cache folder shared by runs and users: lock, atomic publish, digests),
                  signals (graceful stop), distributed (process group, collectives), slurm (srun's process
                  group, requeue before a time limit), resize (resume on another number of processes), errors
     cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan),

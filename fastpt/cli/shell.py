@@ -206,14 +206,14 @@ class CommandLine:
         """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet."""
         from fastpt.cli import run_folder
         from fastpt.inputs import token_cache
-        from fastpt.machinery import resize
+        from fastpt.machinery import resize, shared_cache
 
         cfg, dist = self.cfg, self.dist
         check_device_support(cfg, dist)
         out = run_folder.choose_out(cfg)
         run_folder.check_output_folder(out, "--out")
         cache = token_cache.cache_root(cfg.cache_dir)
-        run_folder.check_output_folder(cache, token_cache.cache_setting(cfg.cache_dir))
+        run_folder.check_output_folder(cache, shared_cache.cache_setting(cfg.cache_dir))
         out, self.lock = run_folder.claim_out_dir(out, dist, new=run_folder.is_default_out(cfg))
         if cfg.export_dir:
             run_folder.check_export_dir(Path(cfg.export_dir), out, cfg.overwrite)

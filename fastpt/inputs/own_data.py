@@ -59,6 +59,7 @@ from typing import Optional
 import numpy as np
 
 from fastpt.inputs import token_cache
+from fastpt.machinery import shared_cache
 from fastpt.machinery.errors import DataError, DiskFull
 
 
@@ -518,7 +519,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
     length = built_length(cfg)
     if not cfg.progress:  # --no-progress: no tokenising or saving bars either
         datasets.disable_progress_bars()
-    tmp = token_cache.new_temporary(target)
+    tmp = shared_cache.new_temporary(target)
     try:
         tokenized = {}
         for name in ("train", "validation", "test"):
@@ -536,7 +537,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
         meta = {"label_names": names, "splits": origin, "notes": notes,
                 "built_from": [cfg.data, cfg.val_data, cfg.test_data]}
         (tmp / META).write_text(json.dumps(meta, indent=2))
-        token_cache.publish(tmp, target)
+        shared_cache.publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -553,15 +554,15 @@ def prepare_own_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [
         try:
             root = token_cache.cache_root(cfg.cache_dir)
             path = root / f"data-{cache_key(cfg, tokenizer)}"
-            with token_cache.reported(path):
-                if not token_cache._is_complete(path):
-                    token_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
+            with shared_cache.reported(path):
+                if not shared_cache.is_complete(path):
+                    shared_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
             outcome = ("ok", str(path))
         except (DataError, DiskFull) as e:
-            outcome = token_cache.failure(e)
-    path = token_cache.agree(gather(outcome), builder)
+            outcome = shared_cache.failure(e)
+    path = shared_cache.agree(gather(outcome), builder)
     keep_last = token_cache.ends_with_special_token(tokenizer) and not cfg.text_pair_column
-    with token_cache.reported(path):
+    with shared_cache.reported(path):
         splits = token_cache.load_cache(path, cfg.max_length, keep_last)  # verified against its digest
         meta = json.loads((path / META).read_text())
     origin = as_given(meta["splits"], meta["built_from"], [cfg.data, cfg.val_data, cfg.test_data])
