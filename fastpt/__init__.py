@@ -13,7 +13,8 @@ Read these, the lessons:
     speedups/    one module per single-device technique, each with what / why faster / cost / Lightning flag
         amp.py             mixed precision (autocast, GradScaler)
         compile.py         torch.compile, dynamic shapes, CUDA graphs
-        packing.py         padding-free batches (varlen attention)
+        packing.py         padding-free batches: reviews end to end, the head on each one's first token
+        packed_attention.py  attention inside each review: varlen, a per-review loop, a block mask
         bucketing.py       length-grouped batches
         backends.py        TF32, deterministic kernels, the compile cache
     strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first)

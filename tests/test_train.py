@@ -53,7 +53,7 @@ def test_end_to_end_run_writes_every_output(tiny_args, tmp_path):
 
 
 def test_best_checkpoint_reloads_into_a_plain_model_and_reproduces_the_test_score(tiny_args, imdb_dir, cache_dir,
-                                                                                 tmp_path):
+                                                                                  tmp_path):
     out = tmp_path / "run"
     assert main(tiny_args("--epochs", "2", "--lr", "1e-3", out=out)) == 0
     results = json.loads((out / "results.json").read_text())

@@ -188,7 +188,8 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     n_params, n_matmul = count_parameters(model)
     layers, hidden = metrics.model_shape(model)
     if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
-        from fastpt.speedups.packing import PackedClassifier, packed_attention_kernel
+        from fastpt.speedups.packed_attention import packed_attention_kernel
+        from fastpt.speedups.packing import PackedClassifier
         model = PackedClassifier(model, packed_attention_kernel(device.type, cfg.compile, cfg.amp))
     strategy.setup(model)  # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer (strategies/base.py)
     forward_loss = make_forward_loss(strategy, cfg.max_length)

@@ -204,7 +204,7 @@ class TrainConfig:
         if self.pack_multiple is not None and not self.pack:
             raise ValueError("--pack-multiple needs --pack")
         if self.pack_multiple is not None and self.pack_multiple > self.max_length:
-            # The rounding tail (< --pack-multiple tokens) is one more attention sequence: see packing.py.
+            # The rounding tail (< --pack-multiple tokens) is one more attention sequence: see packed_attention.py.
             raise ValueError(f"--pack-multiple {self.pack_multiple} exceeds --max-length {self.max_length}")
         if self.data_on_device and (self.num_workers or self.pin_memory):
             raise ValueError("--data-on-device gathers batches on the device: drop --num-workers / --pin-memory")
