@@ -271,7 +271,8 @@ def _bad(tmp_path, name, text):
 
 BAD = {
     "missing column": (lambda p: write_csv(p / "a.csv", rows(30), header=("sentence", "label")), [],
-                       "has no column 'text' (--text-column); its columns: 'sentence', 'label'"),
+                       "has no column 'text' (--text-column); its columns: 'sentence', 'label'; "
+                       "say which with --text-column sentence"),
     "empty file": (lambda p: _bad(p, "a.csv", ""), [], "is empty"),
     "header only": (lambda p: _bad(p, "a.csv", "text,label\n"), [], "has no rows"),
     "one class": (lambda p: write_csv(p / "a.csv", rows(30, labels=("good",))), [], "one class only"),
@@ -307,6 +308,38 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, own_args, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and message in err[0], err
     assert not out.exists()
+
+
+def test_columns_named_per_file_sst2_style(own_args, tmp_path, capsys):
+    """SST-2's layout: `sentence` in train, `content` in dev and test; one flag lists both names."""
+    train = write_csv(tmp_path / "train.tsv", rows(60), header=("sentence", "label"), delimiter="\t")
+    dev_rows, test_rows = rows(12, seed=1), rows(9, seed=2)
+    dev = write_csv(tmp_path / "dev.tsv", dev_rows, header=("content", "label"), delimiter="\t")
+    test = tmp_path / "test.tsv"
+    test.write_text("label\tcontent\n" + "".join(f"{y}\t{t}\n" for t, y in test_rows))  # columns in another order
+    files = ["--val-data", str(dev), "--test-data", str(test)]
+    out = tmp_path / "run"
+    assert main(own_args(train, "--text-column", "sentence", *files, out=out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {dev} has no column 'sentence' (--text-column); its columns: 'content', 'label'; "
+                   f"where files name it differently, list the names: --text-column sentence,content"]
+    assert not out.exists()
+
+    cfg = _cfg(train, text_column="sentence,content", val_data=str(dev), test_data=str(test))
+    splits, _, _ = own_data.gather_splits(cfg)
+    assert [t.use["text"] for t in splits.values()] == ["sentence", "content", "content"]
+    assert splits["validation"].columns["content"] == [t for t, _ in dev_rows]
+    assert splits["test"].columns["label"] == [y for _, y in test_rows]
+    assert len(splits["train"]) == 60
+
+    both = write_csv(tmp_path / "both.tsv", [(t, t, y) for t, y in dev_rows], header=("sentence", "content", "label"),
+                     delimiter="\t")
+    assert main(own_args(train, "--text-column", "sentence,content", "--val-data", str(both), out=out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has both 'sentence' and 'content', which --text-column sentence,content" in err[0]
+    assert not out.exists()
+    with pytest.raises(ValueError, match="must name different columns"):
+        _cfg(train, text_column="sentence,label")
 
 
 def test_without_data_the_own_data_flags_are_refused(tiny_args, capsys):

@@ -62,10 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --data: the validation split's own file (default: carved from --data)")
     g.add_argument("--test-data", default=None, metavar="FILE",
                    help="with --data: the test split's own file (default: carved from --data)")
-    g.add_argument("--text-column", default=None, help="with --data: the column holding the text (default: text)")
-    g.add_argument("--text-pair-column", default=None,
+    g.add_argument("--text-column", default=None, metavar="NAME[,NAME...]",
+                   help="with --data: the column holding the text (default: text); several names, comma-separated, "
+                        "where files name it differently (sentence,content): each file uses the one it has")
+    g.add_argument("--text-pair-column", default=None, metavar="NAME[,NAME...]",
                    help="with --data: a second text column (sentence pairs), tokenised as (text, pair)")
-    g.add_argument("--label-column", default=None,
+    g.add_argument("--label-column", default=None, metavar="NAME[,NAME...]",
                    help="with --data: the label column, integers or strings; ids follow their sorted order "
                         "(default: label)")
     g.add_argument("--val-fraction", type=float, default=None,

@@ -220,7 +220,10 @@ class TrainConfig:
             raise ValueError("--data-dir is IMDB's folder; with --data, drop it")
         self.text_column = self.text_column or "text"
         self.label_column = self.label_column or "label"
-        if self.text_pair_column in (self.text_column, self.label_column) or self.text_column == self.label_column:
+        # Each flag may list several names (one per file, own_data.resolve_columns); no name may serve two roles.
+        names = [set(n.strip() for n in v.split(",")) | {v}
+                 for v in (self.text_column, self.text_pair_column, self.label_column) if v is not None]
+        if any(a & b for i, a in enumerate(names) for b in names[i + 1:]):
             raise ValueError("--text-column, --text-pair-column and --label-column must name different columns")
         for split, flag in (("val", "--val-data"), ("test", "--test-data")):
             fraction = getattr(self, f"{split}_fraction")
