@@ -15,7 +15,7 @@ from fastpt.inputs import own_data
 from fastpt.inputs.data import Collator, pair_token_types
 from fastpt.inputs.models import load_model, load_tokenizer
 from fastpt.machinery.config import TrainConfig
-from fastpt.loop.evaluation import macro_f1
+from fastpt.loop.evaluation import f1_by_class, macro_f1, per_class
 from fastpt.machinery import checkpoint
 from train import main
 
@@ -259,6 +259,54 @@ def test_monitor_macro_f1_picks_the_best_epoch(own_args, tmp_path):
     results = json.loads((out / "results.json").read_text())
     f1 = [h["val_macro_f1"] for h in results["history"]]
     assert results["best_epoch"] == f1.index(max(f1)) + 1 and results["best_monitor"] == max(f1)
+
+
+def test_tensorboard_shows_each_class_and_the_console_each_class_f1(own_args, tmp_path, capsys):
+    """Uneven classes: per-class validation F1 / precision / recall per epoch, equal to the confusion logged as
+    text that epoch (counted again here from its table), macro-F1 charted and in HPARAMS; F1 by class printed."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    train = write_csv(tmp_path / "train.csv", rows(60) + rows(30, seed=5, labels=("good",)))
+    out = tmp_path / "run"
+    args = [a for a in own_args(train, "--epochs", "2", out=out) if a != "--no-tensorboard"]
+    assert main(args) == 0
+    console = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    names = results["label_names"]
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"tensors": 0, "scalars": 0}).Reload()
+    texts = acc.Tensors("val_confusion/text_summary")
+    assert len(texts) == 2
+    for epoch, (text, row) in enumerate(zip(texts, results["history"]), 1):
+        assert text.step == row["step"]
+        table = text.tensor_proto.string_val[0].decode().strip("`\n").splitlines()
+        assert table[0] == f"epoch {epoch}, step {row['step']}" and table[1].split()[-3:] == names
+        confusion = [[int(v) for v in line.split()[1:]] for line in table[2:]]
+        assert [line.split()[0] for line in table[2:]] == names and sum(map(sum, confusion)) == 9
+        truth = [t for t, r in enumerate(confusion) for p, n in enumerate(r) for _ in range(n)]
+        predicted = [p for t, r in enumerate(confusion) for p, n in enumerate(r) for _ in range(n)]
+        assert row["val_macro_f1"] == pytest.approx(_macro_f1(truth, predicted))
+        for label, name in enumerate(names):
+            tp = sum(t == p == label for t, p in zip(truth, predicted))
+            n_true, n_predicted = truth.count(label), predicted.count(label)
+            expect = {"f1": 2 * tp / (n_true + n_predicted) if n_true + n_predicted else 0.0,
+                      "precision": tp / n_predicted if n_predicted else 0.0, "recall": tp / n_true}
+            for metric, value in expect.items():
+                event = acc.Scalars(f"val_{metric}/{name}")[epoch - 1]
+                assert event.step == row["step"] and event.value == pytest.approx(value, abs=1e-6), (metric, name)
+    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
+    assert charts["macro-F1"] == ["epoch/val_macro_f1"] and charts["f1"] == ["val_f1/.*"]
+    hparams = EventAccumulator(str(next((out / "tb" / "hparams").iterdir()).parent)).Reload()
+    assert hparams.Scalars("hparam/best_val_macro_f1")[0].value == pytest.approx(results["best_val_macro_f1"])
+    by_class = ", ".join(f"{n} {c['f1']:.3f}" for n, c in results["test_per_class"].items())
+    assert f"macro-F1 {results['test_macro_f1']:.4f} (F1 by class: {by_class}) on " in console, console
+
+
+def test_f1_by_class_is_left_out_for_two_even_classes():
+    even = per_class([[40, 10], [5, 45]], ["neg", "pos"])
+    assert f1_by_class(even) == ""
+    assert f1_by_class(per_class([[40, 10], [5, 25]], ["neg", "pos"])) == "F1 by class: neg 0.842, pos 0.769"
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fastpt.inputs import data
-from fastpt.loop.evaluation import per_class
+from fastpt.loop.evaluation import f1_by_class, per_class
 from fastpt.loop.record import RunRecord
 from fastpt.machinery import checkpoint, distributed, metrics
 
@@ -129,8 +129,9 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         "torch": torch.__version__,
     }
     rate = results["samples_per_s"]
+    by_class = f1_by_class(results["test_per_class"])  # "" where two classes are about even (IMDB)
     tracker.print(f"test ({record.tested_on}): loss {test['loss']:.4f} acc {test['acc']:.4f} "
-                  f"macro-F1 {test['macro_f1']:.4f} "
+                  f"macro-F1 {test['macro_f1']:.4f} " + (f"({by_class}) " if by_class else "") +
                   f"on {test['n']} {'examples' if cfg.data else 'reviews'} | "
                   f"train time {bookkeeping.train_time_s / 60:.2f} min"
                   + (f" | {rate:.1f} samples/s" if rate is not None else ""))
@@ -139,7 +140,7 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
     tracker.scalars({f"rank{r}/{k}": v for r, m in enumerate(results["memory_per_rank"]) for k, v in m.items()},
                     bookkeeping.global_step, "memory/")
     tracker.hparams(cfg.to_dict(), {k: results[k] for k in ("test_acc", "test_loss", "test_macro_f1", "best_val_acc",
-                                                            "train_time_s", "samples_per_s")
+                                                            "best_val_macro_f1", "train_time_s", "samples_per_s")
                                     if results[k] is not None})
     tracker.write_json("results.json", results)
     return results
