@@ -189,6 +189,8 @@ CASES = [
     ("zero epochs", ["--epochs", "0"], None, "--epochs must be positive, got 0", "{out}"),
     ("zero train size", ["--train-size", "0"], None, "--train-size must be positive, got 0", "{out}"),
     ("zero save every", ["--save-every", "0"], None, "--save-every must be positive, got 0", "{out}"),
+    ("negative save every minutes", ["--save-every-minutes", "-1"], None,
+     "--save-every-minutes must be 0 (off) or positive, got -1.0", "{out}"),
     ("negative grad accum", ["--grad-accum", "-1"], None, "--grad-accum must be positive, got -1", "{out}"),
     ("zero learning rate", ["--lr", "0"], None, "--lr must be positive", "{out}"),
     ("not a number", ["--batch-size", "eight"], None, "invalid int value: 'eight'", "{out}"),

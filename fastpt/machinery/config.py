@@ -143,6 +143,7 @@ class TrainConfig:
     overwrite: bool = False
     log_every: int = 50
     save_every: Optional[int] = None
+    save_every_minutes: float = 10.0  # last.pt by rank 0's clock too (bookkeeping.py); 0: off
     resume: Optional[str] = None
     requeue_signal: str = "USR1"  # SLURM's warning before a time limit: save, requeue the job (machinery/slurm.py)
     progress: bool = True
@@ -162,6 +163,8 @@ class TrainConfig:
             if value is not None and value <= 0:
                 raise ValueError(f"--{flag_name(name)} must be positive, got {value}")
         # float("nan") and float("inf") parse as floats; none of these settings means anything with them.
+        if not (math.isfinite(self.save_every_minutes) and self.save_every_minutes >= 0):
+            raise ValueError(f"--save-every-minutes must be 0 (off) or positive, got {self.save_every_minutes}")
         for name in ("lr", "min_delta", "max_grad_norm"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
