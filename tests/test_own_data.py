@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -94,10 +95,52 @@ def test_csv_run_metrics_checkpoint_and_export_match_a_pipeline(own_args, tmp_pa
     classify = pipeline("text-classification", model=str(export), device="cpu")
     theirs = [p["label"] for p in classify(texts)]
     assert theirs == ours
+    # A text longer than --max-length: the export cuts it where training did (truncation=True, as the README says)
+    assert json.loads((export / "tokenizer_config.json").read_text())["model_max_length"] == 24
+    long_texts = [t + " " + " ".join(FILLER * 4) for t in texts[:8]]
+    assert all(len(tokenizer(t)["input_ids"]) > 24 for t in long_texts)
+    cut_ids = [np.array(tokenizer(t, truncation=True, max_length=24)["input_ids"], dtype=np.int32) for t in long_texts]
+    cut = Collator(0, "longest", 24)([(ids, 0, 1.0) for ids in cut_ids])
+    with torch.no_grad():
+        expected = model(input_ids=cut["input_ids"], attention_mask=cut["attention_mask"]).logits.softmax(-1)
+    scores = classify(long_texts, truncation=True, top_k=None)
+    got = torch.tensor([[next(s["score"] for s in row if s["label"] == name) for name in names] for row in scores])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     truth = [label for _, label in test_rows]
     recomputed = [[sum(t == a and p == b for t, p in zip(truth, theirs)) for b in names] for a in names]
     assert recomputed == results["test_confusion"]
     assert results["test_macro_f1"] == pytest.approx(_macro_f1(truth, theirs))
+
+
+EXPORT_ALONE = """
+import sys, types, torch
+from fastpt.cli import outputs
+from fastpt.inputs.models import load_model, load_tokenizer
+model = load_model("tiny", True, label_names=["a", "b"])
+assert "deepspeed" not in sys.modules
+ns = types.SimpleNamespace
+outputs.export(sys.argv[1], ns(is_main=True, device=torch.device("cpu")),
+               ns(model_state_dict=model.state_dict, cfg=ns(max_length=20)),
+               ns(model_config=model.config, label_names=["a", "b"], tokenizer=load_tokenizer("tiny")), ns(print=print))
+print("deepspeed imported" if "deepspeed" in sys.modules else "deepspeed not imported")
+"""
+
+
+def test_export_alone_says_nothing_of_deepspeed(tmp_path):
+    """In a fresh process (DeepSpeed not yet imported), where save_pretrained's accelerate imports DeepSpeed:
+    no accelerator warning; and the tokenizer's model_max_length is the length trained on."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", EXPORT_ALONE, str(tmp_path / "export")], cwd=root, text=True,
+                          capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "accelerator" not in proc.stdout + proc.stderr and "WARNING" not in proc.stderr, proc.stderr
+    if importlib.util.find_spec("deepspeed"):
+        assert "deepspeed imported" in proc.stdout  # the path the warning came from was taken
+    assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["model_max_length"] == 20
 
 
 def _macro_f1(truth, predicted):

@@ -148,7 +148,13 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
 
 def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
     """--export-dir: the tested weights as a Hugging Face model folder (weights, config with the
-    label names, tokenizer); `transformers.pipeline("text-classification", model=DIR)` loads it."""
+    label names, tokenizer); `transformers.pipeline("text-classification", model=DIR)` loads it.
+
+    The tokenizer's `model_max_length` is the --max-length trained on, so `pipeline(...,
+    truncation=True)` cuts a long text where training did (not at the checkpoint's 512 or 128).
+    """
+    import os
+
     from transformers import AutoModelForSequenceClassification
 
     from fastpt.inputs.models import label_config
@@ -163,9 +169,19 @@ def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     out = Path(export_dir)
 
+    # save_pretrained unwraps the model through accelerate, which imports DeepSpeed wherever it is
+    # installed; DeepSpeed then guesses its accelerator and warns when it settles for the CPU.
+    # Named (the run's device, as --deepspeed names it), it has nothing to guess or say.
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if dist.device.type == "cuda" else "cpu")
+    tokenizer = inputs.tokenizer
+
     def save(folder: Path) -> None:
         model.save_pretrained(folder)
-        inputs.tokenizer.save_pretrained(folder)
+        trained_on, tokenizer.model_max_length = tokenizer.model_max_length, strategy.cfg.max_length
+        try:
+            tokenizer.save_pretrained(folder)
+        finally:
+            tokenizer.model_max_length = trained_on
 
     checkpoint.write_export(out, save)  # over an earlier export: only the files its manifest lists go
-    tracker.print(f"exported: {out} (transformers.pipeline('text-classification', model=...))")
+    tracker.print(f"exported: {out} (transformers.pipeline('text-classification', model=..., truncation=True))")
