@@ -209,6 +209,7 @@ CASES = [
     ("out folder holds another run", [], None, "holds a finished run; pass --overwrite", FINISHED),
     ("resume with another max length", ["--resume", "auto", "--max-length", "32"], None,
      "--max-length was 64, now 32", FINISHED),
+    ("resume without a flag it had", ["--resume", "auto"], None, "--train-size was 16, now unset", FINISHED),
     ("resume with another model", ["--resume", "auto", "--model", "{model_no_weights}"], None,
      "--model was 'tiny', now", FINISHED),
     ("resume with another strategy", ["--resume", "auto", "--train-size", "16", "--ddp"], None,
