@@ -229,7 +229,8 @@ def test_tensorboard_layout_and_applicable_hparams(tmp_path):
     layout = layout_pb2.Layout.FromString(stored)
     charts = {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
     assert charts == {"loss": ["train/loss", "epoch/train_loss", "epoch/val_loss"],
-                      "accuracy": ["epoch/train_acc", "epoch/val_acc"]}
+                      "accuracy": ["epoch/train_acc", "epoch/val_acc"], "macro-F1": ["epoch/val_macro_f1"],
+                      "f1": ["val_f1/.*"], "precision": ["val_precision/.*"], "recall": ["val_recall/.*"]}
 
 
 @pytest.mark.parametrize("capability,avx512_bf16,amx,native", [

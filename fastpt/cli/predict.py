@@ -115,16 +115,18 @@ def read_texts(args, run: dict, names: list):
     label = args.label_column or run.get("label_column") or "label"
     columns = SimpleNamespace(text_column=args.text_column or run.get("text_column") or "text",
                               text_pair_column=args.text_pair_column or run.get("text_pair_column"),
-                              label_column=label if args.label_column or label in table.columns else None)
-    own_data.check_columns(table, columns)
-    own_data.check_texts(table, columns.text_column)
+                              label_column=label if args.label_column or any(
+                                  name in table.columns for name in own_data.accepted_names(label, table.columns))
+                              else None)
+    own_data.resolve_columns(table, columns, training=True)  # table.use: each flag's column in this file
+    own_data.check_texts(table, table.use["text"])
     if columns.text_pair_column:
-        own_data.check_texts(table, columns.text_pair_column)
+        own_data.check_texts(table, table.use["pair"])
     if columns.label_column is None:
         return table, columns, None
-    own_data.read_labels(table, columns.label_column)
+    own_data.read_labels(table, table.use["label"])
     index = {name: i for i, name in enumerate(names)}
-    values = [str(table.label_names[v]) if table.label_names else str(v) for v in table.columns[columns.label_column]]
+    values = [str(table.label_names[v]) if table.label_names else str(v) for v in table.columns[table.use["label"]]]
     unknown = next((i for i, v in enumerate(values) if v not in index), None)
     if unknown is not None:
         raise DataError(f"{table.where}: {table.place(unknown)}: label {values[unknown]!r} is not one the model "
@@ -147,8 +149,8 @@ def run(args, dist) -> None:
         check_dtype_supported(args.amp, dist.device)
     max_length = args.max_length or run_cfg["max_length"]
     began = time.perf_counter()
-    texts = table.columns[columns.text_column]
-    pairs = table.columns[columns.text_pair_column] if columns.text_pair_column else None
+    texts = table.columns[table.use["text"]]
+    pairs = table.columns[table.use["pair"]] if columns.text_pair_column else None
     split = tokenize(tokenizer, texts, pairs, max_length)
     sep_id = tokenizer.sep_token_id if needs_token_types(columns, model.config) else None
     loader = prediction_loader(split, args.batch_size, tokenizer.pad_token_id or 0, max_length, dist.rank,

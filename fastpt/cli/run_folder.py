@@ -420,11 +420,16 @@ def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: s
                 cfg.batch_size, saved["batch_size"], batch_size_flag, saved.get("world_size"), world_size):
             continue
         if saved.get(name) != getattr(cfg, name):
-            raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {saved.get(name)!r}, "
-                                  f"now {getattr(cfg, name)!r}")
+            raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {_shown(saved.get(name))}, "
+                                  f"now {_shown(getattr(cfg, name))}")
     if saved.get("world_size") != world_size and not resuming:
         raise CheckpointError(f"{context}: it was written by {saved.get('world_size')} process(es), "
                               f"this run has {world_size}")
+
+
+def _shown(value) -> str:
+    """A setting's value in a message: "unset" for a flag not given (None), else as Python writes it."""
+    return "unset" if value is None else repr(value)
 
 
 def data_key(inputs) -> str:

@@ -351,6 +351,6 @@ def _lost_contact(e: Exception, rank: int, cfg: TrainConfig) -> int:
     """One line from every rank that saw it (rank 0 may be the one that died): status 1."""
     # One write (print would write the text and its newline apart): every rank's line shares one stderr.
     sys.stderr.write(f"error: rank {rank} lost contact with the other processes: another one died, or did not answer "
-                     f"within --dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); with --save-every, the "
-                     f"same command with --resume auto continues from checkpoints/last.pt\n")
+                     f"within --dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); the same command with "
+                     f"--resume auto continues from checkpoints/last.pt where one was saved\n")
     return EXIT_FAILED

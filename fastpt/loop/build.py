@@ -207,7 +207,8 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     record = RunRecord(BestTracker(cfg.monitor_mode),
                        EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta),
                        epoch_offset=resume_state["progress"].get("epoch_offset", 0) if resume_state else 0,
-                       batch_size_flag=(resume_state or {}).get("batch_size_flag", cfg.batch_size))
+                       batch_size_flag=(resume_state or {}).get("batch_size_flag", cfg.batch_size),
+                       label_names=list(inputs.label_names))
     if resume_state:
         tracker.print(f"resumed from step {bookkeeping.global_step} "
                       f"(epoch {bookkeeping.epoch + 1}, batch {bookkeeping.batch_in_epoch})")

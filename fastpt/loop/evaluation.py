@@ -133,6 +133,30 @@ def per_class(confusion: list, names: list) -> dict:
     return out
 
 
+# Two classes whose smaller one holds at least this share of a split: accuracy and macro-F1 say it all.
+BALANCED_SHARE = 0.4
+
+
+def f1_by_class(classes: dict, most: int = 10) -> str:
+    """Each class's F1 for a console line, "" for a balanced binary split (IMDB's): where classes are
+    several or uneven, one class can fail behind a good macro-F1. At most `most` classes (results.json has all)."""
+    supports = [c["support"] for c in classes.values()]
+    if len(classes) == 2 and min(supports) >= BALANCED_SHARE * max(1, sum(supports)):
+        return ""
+    shown = ", ".join(f"{name} {c['f1']:.3f}" for name, c in list(classes.items())[:most])
+    return f"F1 by class: {shown}{', ...' if len(classes) > most else ''}"
+
+
+def confusion_text(confusion: list, names: list) -> str:
+    """confusion[true][predicted] as a fixed-width table: a row per true label, a column per prediction."""
+    width = max(len("true \\ predicted"), *(len(n) for n in names))
+    cells = [max(len(n), *(len(str(row[j])) for row in confusion)) for j, n in enumerate(names)]
+    lines = ["true \\ predicted".ljust(width) + "".join(f"  {n:>{w}}" for n, w in zip(names, cells))]
+    lines += [name.ljust(width) + "".join(f"  {v:>{w}}" for v, w in zip(row, cells))
+              for name, row in zip(names, confusion)]
+    return "\n".join(lines)
+
+
 def macro_f1(confusion: list) -> float:
     """The mean F1 over the labels that occur in the split or in the predictions (scikit-learn's
     f1_score(average="macro") with its default labels): a label never seen nor predicted is left out."""

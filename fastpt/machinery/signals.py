@@ -118,7 +118,7 @@ class GracefulStop:
     def __init__(self, warning_signal: int | None = None, timeout_s: int | None = None):
         self.timeout_s = timeout_s  # --dist-timeout: a group of its own does not inherit the default group's
         self.signum = None  # this process's signal: a second one exits at once
-        self.agreed = None  # the signal all ranks stop for (requested())
+        self.agreed = None  # the signal all ranks stop for (poll())
         self.warning_signal = warning_signal
         self._previous = {}
         self._group = None
@@ -153,17 +153,22 @@ class GracefulStop:
     def signal_name(self) -> str:
         return signal.Signals(self.stop_signal).name if self.stop_signal is not None else "no signal"
 
-    def requested(self) -> bool:
-        """True on every rank if any rank received a signal (a collective under torchrun)."""
+    def poll(self, save_due: bool = False) -> tuple[bool, bool]:
+        """(stop, save), the same on every rank: whether any rank received a signal, and whether any
+        rank's `save_due` is set (a collective under torchrun).
+
+        `save_due` rides on this collective, which the loop runs anyway: rank 0's clock says last.pt
+        is due (--save-every-minutes) and every rank saves at the same step, for no collective more.
+        """
         import torch
         import torch.distributed as dist
 
         if self._group is None:
-            return self.signum is not None
-        flag = torch.tensor([self.signum or 0], dtype=torch.int32)  # host memory: no GPU sync
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.agreed = int(flag.item()) or None  # possibly another rank's signal: this rank stops for it too
-        return self.agreed is not None
+            return self.signum is not None, save_due
+        flags = torch.tensor([self.signum or 0, int(save_due)], dtype=torch.int32)  # host memory: no GPU sync
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        self.agreed = int(flags[0]) or None  # possibly another rank's signal: this rank stops for it too
+        return self.agreed is not None, bool(flags[1])
 
     def ignore_signals(self) -> None:
         """The run is leaving (a requeued SLURM job's tasks get SIGTERM): its signals are ignored from now
