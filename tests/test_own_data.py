@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -417,6 +418,13 @@ def test_columns_named_per_file_sst2_style(own_args, tmp_path, capsys):
     assert splits["validation"].columns["content"] == [t for t, _ in dev_rows]
     assert splits["test"].columns["label"] == [y for _, y in test_rows]
     assert len(splits["train"]) == 60
+    # A run on them: predictions.csv gives each test row its own file's text and label.
+    assert main(own_args(train, "--text-column", "sentence,content", *files, out=out)) == 0
+    with open(out / "predictions.csv", newline="") as f:
+        predicted = list(csv.DictReader(f))
+    assert [(p["row"], p["text"], p["label"]) for p in predicted] == [
+        (str(i), " ".join(t.split())[:80], str(y)) for i, (t, y) in enumerate(test_rows)]
+    shutil.rmtree(out)
 
     both = write_csv(tmp_path / "both.tsv", [(t, t, y) for t, y in dev_rows], header=("sentence", "content", "label"),
                      delimiter="\t")

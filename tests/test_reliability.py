@@ -36,7 +36,9 @@ TIMING_KEYS = {"train_time_s", "first_step_s", "samples_per_s", "tokens_per_s", 
                "data_wait_share", "mfu", "peak_memory_bytes", "padding_efficiency", "val_time_s",
                "train_time_no_compile_s", "compile_time_s", "val_time_no_compile_s",
                # what this process measured and saw: a resumed process saw only the steps after the resume
-               "samples_per_s_note", "batch_shapes"}
+               "samples_per_s_note", "batch_shapes",
+               # the measured matmul peak (MFU's denominator): measured once, then read from the cache
+               "peak_flops_per_s", "peak_source", "peak_probe"}
 STEPS_PER_EPOCH = 6  # 48 training examples, batch 8
 EPOCHS = 2
 
