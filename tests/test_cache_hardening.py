@@ -19,6 +19,7 @@ import pytest
 
 from fastpt.inputs import token_cache
 from fastpt.inputs.models import load_tokenizer
+from fastpt.machinery import shared_cache
 from train import main
 
 
@@ -96,10 +97,10 @@ def test_own_data_whose_metadata_was_changed_is_refused(change, tmp_path, capsys
         meta["label_names"] = meta["label_names"][::-1]
         (path / own_data.META).write_text(json.dumps(meta, indent=2))
     else:
-        digest = json.loads((path / token_cache.DIGEST).read_text())
+        digest = json.loads((path / shared_cache.DIGEST).read_text())
         name = next(iter(digest["sha256"]))
         digest["sha256"][name] = "0" * 64
-        (path / token_cache.DIGEST).write_text(json.dumps(digest))
+        (path / shared_cache.DIGEST).write_text(json.dumps(digest))
 
     status, err = run(own_run(data, cache, tmp_path / "second"), capsys)
     assert status == 2

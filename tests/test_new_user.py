@@ -93,7 +93,8 @@ def test_the_installed_packages_are_every_folder():
 
 
 def test_fresh_install_has_both_entry_points(tmp_path):
-    """pip install into an empty venv (offline: no dependencies, the build backend from the test env)."""
+    """pip install into an empty venv (offline: no dependencies, the build backend from the test env);
+    fastpt-predict is installed beside them."""
     source = tmp_path / "src"
     source.mkdir()
     for name in ("fastpt", "train.py", "pyproject.toml", "README.md"):
@@ -110,6 +111,9 @@ def test_fresh_install_has_both_entry_points(tmp_path):
                     [str(venv / "bin" / "python"), "-m", "fastpt", "--help"]):
         proc = subprocess.run(command, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "--deepspeed" in proc.stdout, proc.stderr
+    proc = subprocess.run([str(venv / "bin" / "fastpt-predict"), "--help"], cwd=tmp_path, env=clean,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--checkpoint" in proc.stdout, proc.stderr
     where = subprocess.run([str(venv / "bin" / "python"), "-c",
                             "import importlib.util, fastpt, fastpt.start.train as t; "
                             "print(fastpt.__file__, t.__file__, importlib.util.find_spec('train'))"],
@@ -225,7 +229,8 @@ def test_tensorboard_layout_and_applicable_hparams(tmp_path):
     layout = layout_pb2.Layout.FromString(stored)
     charts = {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
     assert charts == {"loss": ["train/loss", "epoch/train_loss", "epoch/val_loss"],
-                      "accuracy": ["epoch/train_acc", "epoch/val_acc"]}
+                      "accuracy": ["epoch/train_acc", "epoch/val_acc"], "macro-F1": ["epoch/val_macro_f1"],
+                      "f1": ["val_f1/.*"], "precision": ["val_precision/.*"], "recall": ["val_recall/.*"]}
 
 
 @pytest.mark.parametrize("capability,avx512_bf16,amx,native", [

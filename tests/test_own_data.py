@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ from fastpt.inputs import own_data
 from fastpt.inputs.data import Collator, pair_token_types
 from fastpt.inputs.models import load_model, load_tokenizer
 from fastpt.machinery.config import TrainConfig
-from fastpt.loop.evaluation import macro_f1
+from fastpt.loop.evaluation import f1_by_class, macro_f1, per_class
 from fastpt.machinery import checkpoint
 from train import main
 
@@ -94,10 +96,53 @@ def test_csv_run_metrics_checkpoint_and_export_match_a_pipeline(own_args, tmp_pa
     classify = pipeline("text-classification", model=str(export), device="cpu")
     theirs = [p["label"] for p in classify(texts)]
     assert theirs == ours
+    # A text longer than --max-length: the export cuts it where training did (truncation=True, as the README says)
+    assert json.loads((export / "tokenizer_config.json").read_text())["model_max_length"] == 24
+    long_texts = [t + " " + " ".join(FILLER * 4) for t in texts[:8]]
+    assert all(len(tokenizer(t)["input_ids"]) > 24 for t in long_texts)
+    cut_ids = [np.array(tokenizer(t, truncation=True, max_length=24)["input_ids"], dtype=np.int32) for t in long_texts]
+    cut = Collator(0, "longest", 24)([(ids, 0, 1.0) for ids in cut_ids])
+    with torch.no_grad():
+        expected = model(input_ids=cut["input_ids"], attention_mask=cut["attention_mask"]).logits.softmax(-1)
+    scores = classify(long_texts, truncation=True, top_k=None)
+    got = torch.tensor([[next(s["score"] for s in row if s["label"] == name) for name in names] for row in scores])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     truth = [label for _, label in test_rows]
     recomputed = [[sum(t == a and p == b for t, p in zip(truth, theirs)) for b in names] for a in names]
     assert recomputed == results["test_confusion"]
     assert results["test_macro_f1"] == pytest.approx(_macro_f1(truth, theirs))
+
+
+EXPORT_ALONE = """
+import sys, types, torch
+from fastpt.cli import outputs
+from fastpt.inputs.models import load_model, load_tokenizer
+model = load_model("tiny", True, label_names=["a", "b"])
+assert "deepspeed" not in sys.modules
+ns = types.SimpleNamespace
+outputs.export(sys.argv[1], ns(is_main=True, device=torch.device("cpu")),
+               ns(model_state_dict=model.state_dict, cfg=ns(max_length=20)),
+               ns(model_config=model.config, label_names=["a", "b"], tokenizer=load_tokenizer("tiny")), ns(print=print))
+print("deepspeed imported" if "deepspeed" in sys.modules else "deepspeed not imported")
+"""
+
+
+@pytest.mark.slow  # 6 s: a fresh process (torch, transformers, DeepSpeed imported anew)
+def test_export_alone_says_nothing_of_deepspeed(tmp_path):
+    """In a fresh process (DeepSpeed not yet imported), where save_pretrained's accelerate imports DeepSpeed:
+    no accelerator warning; and the tokenizer's model_max_length is the length trained on."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", EXPORT_ALONE, str(tmp_path / "export")], cwd=root, text=True,
+                          capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "accelerator" not in proc.stdout + proc.stderr and "WARNING" not in proc.stderr, proc.stderr
+    if importlib.util.find_spec("deepspeed"):
+        assert "deepspeed imported" in proc.stdout  # the path the warning came from was taken
+    assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["model_max_length"] == 20
 
 
 def _macro_f1(truth, predicted):
@@ -252,13 +297,55 @@ def test_sentence_pairs_pack_on_distilbert(own_args, tmp_path):
                          "--epochs", "1")) == 0
 
 
-def test_monitor_macro_f1_picks_the_best_epoch(own_args, tmp_path):
-    train = write_csv(tmp_path / "train.csv", rows(90))
+def test_monitor_macro_f1_picks_the_best_epoch_and_tensorboard_shows_each_class(own_args, tmp_path, capsys):
+    """--monitor-metric val_macro_f1 picks best.pt; TensorBoard has per-class validation F1 / precision / recall
+    per epoch, equal to the confusion logged as text that epoch (counted again here from its table), macro-F1
+    charted and in HPARAMS; the console's test line gives each class's F1 (three classes, uneven)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    train = write_csv(tmp_path / "train.csv", rows(60) + rows(30, seed=5, labels=("good",)))
     out = tmp_path / "run"
-    assert main(own_args(train, "--monitor-metric", "val_macro_f1", "--epochs", "3")) == 0
+    args = own_args(train, "--monitor-metric", "val_macro_f1", "--epochs", "3", out=out)
+    assert main([a for a in args if a != "--no-tensorboard"]) == 0
+    console = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     f1 = [h["val_macro_f1"] for h in results["history"]]
     assert results["best_epoch"] == f1.index(max(f1)) + 1 and results["best_monitor"] == max(f1)
+    names = results["label_names"]
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"tensors": 0, "scalars": 0}).Reload()
+    texts = acc.Tensors("val_confusion/text_summary")
+    assert len(texts) == 3
+    for epoch, (text, row) in enumerate(zip(texts, results["history"]), 1):
+        assert text.step == row["step"]
+        table = text.tensor_proto.string_val[0].decode().strip("`\n").splitlines()
+        assert table[0] == f"epoch {epoch}, step {row['step']}" and table[1].split()[-3:] == names
+        confusion = [[int(v) for v in line.split()[1:]] for line in table[2:]]
+        assert [line.split()[0] for line in table[2:]] == names and sum(map(sum, confusion)) == 9
+        truth = [t for t, r in enumerate(confusion) for p, n in enumerate(r) for _ in range(n)]
+        predicted = [p for t, r in enumerate(confusion) for p, n in enumerate(r) for _ in range(n)]
+        assert row["val_macro_f1"] == pytest.approx(_macro_f1(truth, predicted))
+        for label, name in enumerate(names):
+            tp = sum(t == p == label for t, p in zip(truth, predicted))
+            n_true, n_predicted = truth.count(label), predicted.count(label)
+            expect = {"f1": 2 * tp / (n_true + n_predicted) if n_true + n_predicted else 0.0,
+                      "precision": tp / n_predicted if n_predicted else 0.0, "recall": tp / n_true}
+            for metric, value in expect.items():
+                event = acc.Scalars(f"val_{metric}/{name}")[epoch - 1]
+                assert event.step == row["step"] and event.value == pytest.approx(value, abs=1e-6), (metric, name)
+    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
+    assert charts["macro-F1"] == ["epoch/val_macro_f1"] and charts["f1"] == ["val_f1/.*"]
+    hparams = EventAccumulator(str(next((out / "tb" / "hparams").iterdir()).parent)).Reload()
+    assert hparams.Scalars("hparam/best_val_macro_f1")[0].value == pytest.approx(results["best_val_macro_f1"])
+    by_class = ", ".join(f"{n} {c['f1']:.3f}" for n, c in results["test_per_class"].items())
+    assert f"macro-F1 {results['test_macro_f1']:.4f} (F1 by class: {by_class}) on " in console, console
+
+
+def test_f1_by_class_is_left_out_for_two_even_classes():
+    even = per_class([[40, 10], [5, 45]], ["neg", "pos"])
+    assert f1_by_class(even) == ""
+    assert f1_by_class(per_class([[40, 10], [5, 25]], ["neg", "pos"])) == "F1 by class: neg 0.842, pos 0.769"
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -271,7 +358,8 @@ def _bad(tmp_path, name, text):
 
 BAD = {
     "missing column": (lambda p: write_csv(p / "a.csv", rows(30), header=("sentence", "label")), [],
-                       "has no column 'text' (--text-column); its columns: 'sentence', 'label'"),
+                       "has no column 'text' (--text-column); its columns: 'sentence', 'label'; "
+                       "say which with --text-column sentence"),
     "empty file": (lambda p: _bad(p, "a.csv", ""), [], "is empty"),
     "header only": (lambda p: _bad(p, "a.csv", "text,label\n"), [], "has no rows"),
     "one class": (lambda p: write_csv(p / "a.csv", rows(30, labels=("good",))), [], "one class only"),
@@ -309,13 +397,53 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, own_args, tmp_pat
     assert not out.exists()
 
 
+def test_columns_named_per_file_sst2_style(own_args, tmp_path, capsys):
+    """SST-2's layout: `sentence` in train, `content` in dev and test; one flag lists both names."""
+    train = write_csv(tmp_path / "train.tsv", rows(60), header=("sentence", "label"), delimiter="\t")
+    dev_rows, test_rows = rows(12, seed=1), rows(9, seed=2)
+    dev = write_csv(tmp_path / "dev.tsv", dev_rows, header=("content", "label"), delimiter="\t")
+    test = tmp_path / "test.tsv"
+    test.write_text("label\tcontent\n" + "".join(f"{y}\t{t}\n" for t, y in test_rows))  # columns in another order
+    files = ["--val-data", str(dev), "--test-data", str(test)]
+    out = tmp_path / "run"
+    assert main(own_args(train, "--text-column", "sentence", *files, out=out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {dev} has no column 'sentence' (--text-column); its columns: 'content', 'label'; "
+                   f"where files name it differently, list the names: --text-column sentence,content"]
+    assert not out.exists()
+
+    cfg = _cfg(train, text_column="sentence,content", val_data=str(dev), test_data=str(test))
+    splits, _, _ = own_data.gather_splits(cfg)
+    assert [t.use["text"] for t in splits.values()] == ["sentence", "content", "content"]
+    assert splits["validation"].columns["content"] == [t for t, _ in dev_rows]
+    assert splits["test"].columns["label"] == [y for _, y in test_rows]
+    assert len(splits["train"]) == 60
+    # A run on them: predictions.csv gives each test row its own file's text and label.
+    assert main(own_args(train, "--text-column", "sentence,content", *files, out=out)) == 0
+    with open(out / "predictions.csv", newline="") as f:
+        predicted = list(csv.DictReader(f))
+    assert [(p["row"], p["text"], p["label"]) for p in predicted] == [
+        (str(i), " ".join(t.split())[:80], str(y)) for i, (t, y) in enumerate(test_rows)]
+    shutil.rmtree(out)
+
+    both = write_csv(tmp_path / "both.tsv", [(t, t, y) for t, y in dev_rows], header=("sentence", "content", "label"),
+                     delimiter="\t")
+    assert main(own_args(train, "--text-column", "sentence,content", "--val-data", str(both), out=out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has both 'sentence' and 'content', which --text-column sentence,content" in err[0]
+    assert not out.exists()
+    with pytest.raises(ValueError, match="must name different columns"):
+        _cfg(train, text_column="sentence,label")
+
+
 def test_without_data_the_own_data_flags_are_refused(tiny_args, capsys):
     assert main(tiny_args("--label-column", "y")) == 2
     assert "--label-column needs --data" in capsys.readouterr().err
 
 
 def test_ddp_confusion_counts_each_test_row_once(tmp_path, cache_dir):
-    """Two gloo ranks, 31 test rows (unequal shares): the all-reduced confusion equals one process's on best.pt."""
+    """Two gloo ranks, 31 test rows (unequal shares): the all-reduced confusion equals one process's on best.pt,
+    and predictions.csv (gathered from both ranks) holds each row once and counts to it."""
     import os
     import subprocess
     import sys
@@ -351,6 +479,12 @@ def test_ddp_confusion_counts_each_test_row_once(tmp_path, cache_dir):
     single = evaluate(strategy, loader, num_labels=len(names))
     assert single["confusion"] == results["test_confusion"]
     assert single["macro_f1"] == pytest.approx(results["test_macro_f1"])
+    # predictions.csv, gathered from both ranks: each test row once, in the file's order, counting to the confusion
+    with open(out / "predictions.csv", newline="") as f:
+        predicted = list(csv.DictReader(f))
+    assert [int(p["row"]) for p in predicted] == list(range(31))
+    assert [[sum(p["label"] == a and p["predicted"] == b for p in predicted) for b in names] for a in names] \
+        == results["test_confusion"]
 
 
 def test_resume_with_own_data_continues_and_a_changed_column_is_refused(own_args, tmp_path, capsys):

@@ -109,7 +109,7 @@ def test_unnamed_columns_stay_apart_and_are_named_by_position(own_args, tmp_path
                      header=("label", "masseges", "", "", ""))
     line = refused(own_args, tmp_path, capsys, path)
     assert line.endswith("its columns: 'label', 'masseges', (unnamed column 3), (unnamed column 4), "
-                         "(unnamed column 5)"), line
+                         "(unnamed column 5); say which with --text-column NAME"), line
     table = own_data.read_file(path)
     assert table.columns["(unnamed column 3)"] == [f"x{i}" for i in range(30)]
     assert table.columns["(unnamed column 5)"] == [f"z{i}" for i in range(30)]
@@ -119,7 +119,8 @@ def test_column_names_are_quoted_and_escaped(own_args, tmp_path, capsys):
     path = write_csv(tmp_path / "a.csv", [(t, t, y) for t, y in rows(30)],
                      header=("\x1b[31mtext\x1b[0m", " text ", "label"))
     line = refused(own_args, tmp_path, capsys, path)
-    assert "\x1b" not in line and line.endswith(r"its columns: '\x1b[31mtext\x1b[0m', ' text ', 'label'"), line
+    assert "\x1b" not in line, line
+    assert line.endswith(r"its columns: '\x1b[31mtext\x1b[0m', ' text ', 'label'; say which with --text-column NAME")
 
 
 # ---------------------------------------------------------------------------- labels: one rule, every format

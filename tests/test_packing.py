@@ -19,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForSequenceClassification, BertConfig, DistilBertConfig
 
 from fastpt.inputs.data import Collator
-from fastpt.speedups import packing
+from fastpt.speedups import packed_attention
 from fastpt.speedups.compile import mark_token_dim_dynamic
-from fastpt.speedups.packing import (PackedClassifier, PackedCollator, apply_packed_attention, is_packed,
-                                     packed_attention_kernel, packed_logits, unwrap)
+from fastpt.speedups.packed_attention import apply_packed_attention, packed_attention_kernel
+from fastpt.speedups.packing import PackedClassifier, PackedCollator, is_packed, packed_logits, unwrap
 
 
 MAX_LENGTH = 64
@@ -294,8 +294,8 @@ def test_loop_kernel_reads_the_offsets_only_inside_its_operator():
     operator whose shape rule needs no data: that is what lets a compiled graph hold it."""
     run_on_meta("loop")
     with pytest.raises(NotImplementedError, match="meta"):
-        packing._attend_each_review(*(torch.empty(1, 2, 8, 4, device="meta") for _ in range(3)),
-                                    torch.tensor([0, 3, 8], device="meta"), 0.5)
+        packed_attention._attend_each_review(*(torch.empty(1, 2, 8, 4, device="meta") for _ in range(3)),
+                                             torch.tensor([0, 3, 8], device="meta"), 0.5)
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -36,7 +36,9 @@ TIMING_KEYS = {"train_time_s", "first_step_s", "samples_per_s", "tokens_per_s", 
                "data_wait_share", "mfu", "peak_memory_bytes", "padding_efficiency", "val_time_s",
                "train_time_no_compile_s", "compile_time_s", "val_time_no_compile_s",
                # what this process measured and saw: a resumed process saw only the steps after the resume
-               "samples_per_s_note", "batch_shapes"}
+               "samples_per_s_note", "batch_shapes",
+               # the measured matmul peak (MFU's denominator): measured once, then read from the cache
+               "peak_flops_per_s", "peak_source", "peak_probe"}
 STEPS_PER_EPOCH = 6  # 48 training examples, batch 8
 EPOCHS = 2
 
@@ -167,6 +169,57 @@ def test_sigkill_at_random_step_resumes_bitwise(reference, imdb_dir, cache_dir, 
         assert checkpoint_step(out) == saved  # nothing more than the steps since it was lost
     assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto")) == 0
     assert_same_run(reference, out)
+
+
+def test_sigkill_resumes_bitwise_from_a_save_by_time(reference, imdb_dir, cache_dir, tmp_path):
+    """last.pt by the clock only (--save-every 1000 saves at epochs' ends, never by steps here): an interval
+    shorter than any step saves after each one, so the kill loses one step; the resume equals the reference."""
+    out = tmp_path / "run"
+    kill_step = fault_rng().randint(2, STEPS_PER_EPOCH * EPOCHS)
+    by_time = ("--save-every", "1000", "--save-every-minutes", "1e-9")
+    died = inject(["kill-at-step", str(kill_step)], flags(imdb_dir, cache_dir, out, *by_time))
+    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+    assert checkpoint_step(out) == kill_step - 1
+    assert main(flags(imdb_dir, cache_dir, out, "--resume", "auto", *by_time)) == 0
+    assert_same_run(reference, out)
+
+
+def _poll_on_two_ranks(rank: int, init: str, answers) -> None:
+    """One gloo rank: rank 0's clock decides a save by time, the stop check's collective carries it."""
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from fastpt.machinery.bookkeeping import Bookkeeping
+    from fastpt.machinery.config import TrainConfig
+    from fastpt.machinery.distributed import DistInfo
+    from fastpt.machinery.signals import GracefulStop
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    stopper = GracefulStop(timeout_s=60).install()
+    seen = []
+    for minutes_ago, signalled in ((2, False), (0, False), (2, True), (0, True)):
+        # every rank's clock says the interval (1 minute) has passed, or none has; only rank 0's counts
+        clock = SimpleNamespace(cfg=TrainConfig(save_every_minutes=1), dist=DistInfo(rank, rank, 2, None),
+                                last_save=time.monotonic() - minutes_ago * 60)
+        stopper.signum = signal.SIGTERM if signalled and rank == 1 else None  # a signal on rank 1 only
+        seen.append((Bookkeeping.save_by_time_due(clock), *stopper.poll(Bookkeeping.save_by_time_due(clock))))
+    stopper.uninstall()
+    dist.destroy_process_group()
+    answers.put((rank, seen))
+
+
+def test_a_save_by_time_is_rank_0s_and_every_rank_agrees(tmp_path):
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    answers = context.Queue()
+    mp.spawn(_poll_on_two_ranks, args=(f"file://{tmp_path / 'store'}", answers), nprocs=2)
+    seen = dict(answers.get(timeout=60) for _ in range(2))
+    # (this rank's own verdict, stop, save) per poll: rank 1's clock never decides, yet it saves with rank 0
+    assert seen[0] == [(True, False, True), (False, False, False), (True, True, True), (False, True, False)]
+    assert seen[1] == [(False, False, True), (False, False, False), (False, True, True), (False, True, False)]
 
 
 def test_resume_auto_before_first_checkpoint_starts_again(reference, imdb_dir, cache_dir, tmp_path, monkeypatch):

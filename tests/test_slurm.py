@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -257,6 +258,13 @@ def results(out: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+def free_port() -> int:
+    """A port nothing listens on now (a fixed one can still be held by an earlier test's store)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def losses(out: Path) -> dict:
     """What the run computed: every logged training loss, each epoch's losses, the test loss."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -365,21 +373,28 @@ def test_sigterm_saves_last_pt_and_stops_without_requeue(signalled_jobs):
 
 @pytest.mark.slow
 def test_a_requeued_job_continues_bitwise(cluster, imdb_dir, cache_dir, tmp_path):
-    """USR1 mid-epoch, requeue, SLURM's delay, the restart: exactly the uninterrupted run's losses."""
+    """USR1 mid-epoch, requeue, SLURM's delay, the restart; then the same again in the restarted job:
+    exactly the uninterrupted run's losses."""
     uninterrupted = srun(train_args(imdb_dir, cache_dir, tmp_path / "whole", "--epochs", "3", "--ddp"))
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     job, log, out = _submit(imdb_dir, cache_dir, tmp_path, "--requeue")
     _wait_for_training(job, log)
     try:
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
-        wait_for(lambda: log_has(log, f"job {job} restart 1"), "the restart", timeout=400)
-        wait_for(lambda: log_has(log, "srun status"), "the continued run's end", timeout=300)
+        wait_for(lambda: log_has(log, f"job {job} restart 1"), "the restart", timeout=400)  # SLURM's own delay
+        # The restarted job, a few steps on (an epoch is 14 steps, 3 epochs: 42), is warned again.
+        wait_for(lambda: re.search(r"^resumed from step \d+ .*\n(?:.*\n)*step \d+:.*\n(?:.*\n)*step \d+:",
+                                   log.read_text(), re.M), "two steps after the resume", timeout=240)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)
+        wait_for(lambda: log_has(log, f"job {job} restart 2"), "the second restart", timeout=400)
+        wait_for(lambda: log_has(log, "srun status 0"), "the continued run's end", timeout=300)
     except AssertionError:
         subprocess.run(["scancel", job])
         raise
     text = log.read_text()
-    saved = re.search(rf"^signal USR1: saved step (\d+), job {job} requeued$", text, re.M)
-    assert saved and f"resumed from step {saved.group(1)} " in text and "srun status 0" in text, text
+    saved = re.findall(rf"^signal USR1: saved step (\d+), job {job} requeued$", text, re.M)
+    assert len(saved) == 2 and int(saved[0]) < int(saved[1]), text
+    assert all(f"resumed from step {step} " in text for step in saved), text
     assert losses(out) == losses(tmp_path / "whole")
 
 
@@ -388,7 +403,7 @@ def test_srun_torchrun_passes_the_warning_signal_on(cluster, imdb_dir, cache_dir
     out, log = tmp_path / "run", tmp_path / "job.log"
     args = " ".join(train_args(imdb_dir, cache_dir, out, "--epochs", "3", "--resume", "auto", "--ddp"))
     job = sbatch(f"srun --ntasks-per-node=1 {sys.executable} -m torch.distributed.run --nnodes=1 "
-                 f"--nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=localhost:29531 "
+                 f"--nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=localhost:{free_port()} "
                  f"--signals-to-handle=SIGTERM,SIGINT,SIGUSR1 {args}", log, "--ntasks=1", "--cpus-per-task=2",
                  "--requeue")
     try:
@@ -400,6 +415,8 @@ def test_srun_torchrun_passes_the_warning_signal_on(cluster, imdb_dir, cache_dir
         fields = wait_for(lambda: (f := job_fields(job)).get("JobState") in ("PENDING", "REQUEUED") and f,
                           "the job back in the queue", timeout=30)
         assert fields["Restarts"] == "1"
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{log.read_text()[-4000:]}\n{job_fields(job)}") from None
     finally:
         subprocess.run(["scancel", job])
 

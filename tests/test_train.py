@@ -38,19 +38,22 @@ def test_end_to_end_run_writes_every_output(tiny_args, tmp_path):
     assert results["epochs_run"] == 3 and not results["stopped_early"]
     assert results["test_examples"] == 32 and results["tested_on"] == "best"
     assert 0.0 <= results["test_acc"] <= 1.0 and results["samples_per_s"] > 0
+    # MFU on the CPU too, against the measured matmul peak (machinery/peak.py) that results.json names
+    assert 0 < results["mfu"] < 1 and results["peak_probe"]["dtype"] == "float32"
+    assert results["peak_flops_per_s"] == max(s["flops_per_s"] for s in results["peak_probe"]["shapes"])
     # the best epoch is the first one with the highest validation accuracy
     val = [h["val_acc"] for h in results["history"]]
     assert results["best_epoch"] == val.index(max(val)) + 1 and results["best_val_acc"] == max(val)
 
     tags, acc = tb_tags(out / "tb")
-    assert {"train/loss", "train/samples_per_s", "train/lr", "epoch/val_acc", "epoch/val_loss",
+    assert {"train/loss", "train/samples_per_s", "train/mfu", "train/lr", "epoch/val_acc", "epoch/val_loss",
             "epoch/train_loss", "epoch/train_acc", "test/test_acc"} <= tags
     assert len(acc.Scalars("epoch/val_acc")) == 3
     assert any((out / "tb" / "hparams").iterdir())
 
 
 def test_best_checkpoint_reloads_into_a_plain_model_and_reproduces_the_test_score(tiny_args, imdb_dir, cache_dir,
-                                                                                 tmp_path):
+                                                                                  tmp_path):
     out = tmp_path / "run"
     assert main(tiny_args("--epochs", "2", "--lr", "1e-3", out=out)) == 0
     results = json.loads((out / "results.json").read_text())

@@ -32,7 +32,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from fastpt.cli.shell import EXIT_BAD_INPUT
 from fastpt.inputs.data import Collator
 from fastpt.loop.step import make_forward_loss
-from fastpt.speedups import packing
+from fastpt.speedups import packed_attention
 from fastpt.speedups.compile import mark_token_dim_dynamic
 from fastpt.speedups.packing import PackedClassifier, PackedCollator
 from train import main
@@ -69,7 +69,7 @@ def heads_first(x, start, end):
 def standin_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
                     window_size=None, enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     """Exact attention inside each sequence; out and logsumexp of every other row left NaN."""
-    assert query.dtype in packing.VARLEN_DTYPES, "FlashAttention takes fp16 / bf16 only"
+    assert query.dtype in packed_attention.VARLEN_DTYPES, "FlashAttention takes fp16 / bf16 only"
     assert not is_causal and window_size in (None, [-1, -1]) and not enable_gqa
     assert seqused_k is None and block_table is None
     scale = query.shape[-1] ** -0.5 if scale is None else scale
@@ -224,7 +224,7 @@ def test_pack_multiple_step_on_the_varlen_kernel_equals_the_padded_step_in_float
     it cannot be compared entry by entry there. Here the glue is let through in float32 (the stand-in
     computes in float32 anyway); everything else is the real path. The bf16 run is the next test.
     """
-    monkeypatch.setattr(packing, "VARLEN_DTYPES", packing.VARLEN_DTYPES + (torch.float32,))
+    monkeypatch.setattr(packed_attention, "VARLEN_DTYPES", packed_attention.VARLEN_DTYPES + (torch.float32,))
     for (loss, grads), (ref_loss, ref_grads) in packed_and_padded_steps(kind, None, compiled):
         assert_finite(grads)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ import sys
 from fastpt.machinery.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, flag_name
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but errors are one line on stderr and exit code 2 (no usage dump).
 
     Under torchrun every rank parses the same command line; only rank 0 prints the line.
@@ -26,7 +26,7 @@ class _OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
+class DefaultsFormatter(argparse.HelpFormatter):
     """Shows each flag's default once: appended unless the help already says it.
 
     On/off switches (store_true / store_false) show none: the flag's name says what it turns on or off.
@@ -42,10 +42,10 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = _OneLineParser(
+    p = OneLineParser(
         description="Fine-tune a text classifier in plain PyTorch (by default DistilBERT on IMDB, or --data your "
                     "own table), with every speed-up behind a flag.",
-        formatter_class=_DefaultsFormatter,
+        formatter_class=DefaultsFormatter,
         allow_abbrev=False,  # no prefixes: a new flag must never change what an abbreviation meant
     )
     g = p.add_argument_group("model and data")
@@ -62,10 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --data: the validation split's own file (default: carved from --data)")
     g.add_argument("--test-data", default=None, metavar="FILE",
                    help="with --data: the test split's own file (default: carved from --data)")
-    g.add_argument("--text-column", default=None, help="with --data: the column holding the text (default: text)")
-    g.add_argument("--text-pair-column", default=None,
+    g.add_argument("--text-column", default=None, metavar="NAME[,NAME...]",
+                   help="with --data: the column holding the text (default: text); several names, comma-separated, "
+                        "where files name it differently (sentence,content): each file uses the one it has")
+    g.add_argument("--text-pair-column", default=None, metavar="NAME[,NAME...]",
                    help="with --data: a second text column (sentence pairs), tokenised as (text, pair)")
-    g.add_argument("--label-column", default=None,
+    g.add_argument("--label-column", default=None, metavar="NAME[,NAME...]",
                    help="with --data: the label column, integers or strings; ids follow their sorted order "
                         "(default: label)")
     g.add_argument("--label-names", default=None, metavar="NAME0,NAME1,...",
@@ -178,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds another run")
     g.add_argument("--log-every", type=int, default=d.log_every, help="optimiser steps between log lines")
     g.add_argument("--save-every", type=int, default=None, help="write checkpoints/last.pt every N optimiser steps")
+    g.add_argument("--save-every-minutes", type=float, default=d.save_every_minutes, metavar="MINUTES",
+                   help="also write last.pt once this long has passed since the last one, so a kill loses at most "
+                        "minutes (rank 0's clock, checked after every step on one process, at log steps under "
+                        "torchrun); 0: off")
     g.add_argument("--resume", default=None, help="'auto' or a path to last.pt")
     g.add_argument("--requeue-signal", default=d.requeue_signal, metavar="SIGNAL",
                    help="the signal that stops like SIGTERM and, under SLURM, requeues the job (sbatch "

@@ -1,5 +1,5 @@
 """What a run writes into its folder, and what a resume reads back: checkpoints/best.pt,
-checkpoints/last.pt, results.json and the --export-dir model folder.
+checkpoints/last.pt, results.json, predictions.csv and the --export-dir model folder.
 
 Each function takes what it writes as arguments; train.py calls them in the run's order. The
 run's own record (the epochs' history, validation times, the best and early-stopping trackers,
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from fastpt.inputs import data
-from fastpt.loop.evaluation import per_class
+from fastpt.inputs import data, own_data, token_cache
+from fastpt.loop.evaluation import f1_by_class, per_class
 from fastpt.loop.record import RunRecord
 from fastpt.machinery import checkpoint, distributed, metrics
+from fastpt.machinery.errors import DataError
 
 
 def save_best(ckpt_dir: Path, cfg, dist, strategy, epoch: int, step: int, value: float) -> None:
@@ -129,25 +130,76 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         "torch": torch.__version__,
     }
     rate = results["samples_per_s"]
+    by_class = f1_by_class(results["test_per_class"])  # "" where two classes are about even (IMDB)
     tracker.print(f"test ({record.tested_on}): loss {test['loss']:.4f} acc {test['acc']:.4f} "
-                  f"macro-F1 {test['macro_f1']:.4f} "
+                  f"macro-F1 {test['macro_f1']:.4f} " + (f"({by_class}) " if by_class else "") +
                   f"on {test['n']} {'examples' if cfg.data else 'reviews'} | "
                   f"train time {bookkeeping.train_time_s / 60:.2f} min"
-                  + (f" | {rate:.1f} samples/s" if rate is not None else ""))
+                  + (f" | {rate:.1f} samples/s" if rate is not None else "")
+                  + (f" | MFU {100 * results['mfu']:.1f}%" if results["mfu"] is not None else ""))
     tracker.scalars({"test_acc": test["acc"], "test_loss": test["loss"], "test_macro_f1": test["macro_f1"]},
                     bookkeeping.global_step, "test/")
     tracker.scalars({f"rank{r}/{k}": v for r, m in enumerate(results["memory_per_rank"]) for k, v in m.items()},
                     bookkeeping.global_step, "memory/")
     tracker.hparams(cfg.to_dict(), {k: results[k] for k in ("test_acc", "test_loss", "test_macro_f1", "best_val_acc",
-                                                            "train_time_s", "samples_per_s")
+                                                            "best_val_macro_f1", "train_time_s", "samples_per_s")
                                     if results[k] is not None})
     tracker.write_json("results.json", results)
     return results
 
 
+def write_predictions(out_dir: Path, cfg, dist, inputs, test: dict, tracker) -> None:
+    """predictions.csv: each test example once, in the test split's order (cli/predictions.py has the columns).
+
+    Rank 0 writes it from evaluate's per-example outputs (every rank's, gathered), so its predicted
+    column counts to results.json's test_confusion exactly. Where each example is: IMDB's review
+    file names come from the token cache (no text: the tarball is not read again); --data's rows
+    and texts are read again from the file, and if that no longer matches the split the run tested
+    (the file was changed since), the rows say only their place in the split."""
+    if not dist.is_main:
+        return
+    from fastpt.cli.predictions import preview, write_predictions as write
+
+    per_example, names = test["per_example"], inputs.label_names
+    gold = [names[i] for i in inputs.splits["test"].labels]
+    try:
+        leading = test_rows(cfg, inputs, gold)
+    except DataError as e:
+        leading = {"test_row": list(range(len(gold)))}
+        tracker.print(f"note: predictions.csv names each example by its place in the test split only: {e}")
+    if "text" in leading:
+        leading["text"] = [preview(t) for t in leading["text"]]
+    leading["label"] = gold
+    write(out_dir / "predictions.csv", leading, names, per_example["predicted"], per_example["probabilities"])
+
+
+def test_rows(cfg, inputs, gold: list) -> dict:
+    """{'row' and 'text' (own data, read again) or 'review' (IMDB, its file)}: where each test example is;
+    DataError unless what was read has the tested split's examples and labels."""
+    n = len(gold)
+    if cfg.data:
+        table = own_data.gather_splits(cfg)[0]["test"]
+        labels = table.columns[table.use["label"]][:n]  # this file's column of the names --label-column gives
+        read = [str(table.label_names[v]) if table.label_names else str(v) for v in labels]
+        where = {"row": table.row_numbers()[:n], "text": table.columns[table.use["text"]][:n]}
+    else:
+        keys = token_cache.split_keys(inputs.cache_path)["test"][:n]
+        read = [inputs.label_names[int(key.split("/")[1] == "pos")] for key in keys]
+        where = {"review": keys}
+    if read != gold:
+        raise DataError("the data read again differs from the tested split (changed since the run started?)")
+    return where
+
+
 def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
     """--export-dir: the tested weights as a Hugging Face model folder (weights, config with the
-    label names, tokenizer); `transformers.pipeline("text-classification", model=DIR)` loads it."""
+    label names, tokenizer); `transformers.pipeline("text-classification", model=DIR)` loads it.
+
+    The tokenizer's `model_max_length` is the --max-length trained on, so `pipeline(...,
+    truncation=True)` cuts a long text where training did (not at the checkpoint's 512 or 128).
+    """
+    import os
+
     from transformers import AutoModelForSequenceClassification
 
     from fastpt.inputs.models import label_config
@@ -162,9 +214,19 @@ def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     out = Path(export_dir)
 
+    # save_pretrained unwraps the model through accelerate, which imports DeepSpeed wherever it is
+    # installed; DeepSpeed then guesses its accelerator and warns when it settles for the CPU.
+    # Named (the run's device, as --deepspeed names it), it has nothing to guess or say.
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if dist.device.type == "cuda" else "cpu")
+    tokenizer = inputs.tokenizer
+
     def save(folder: Path) -> None:
         model.save_pretrained(folder)
-        inputs.tokenizer.save_pretrained(folder)
+        trained_on, tokenizer.model_max_length = tokenizer.model_max_length, strategy.cfg.max_length
+        try:
+            tokenizer.save_pretrained(folder)
+        finally:
+            tokenizer.model_max_length = trained_on
 
     checkpoint.write_export(out, save)  # over an earlier export: only the files its manifest lists go
-    tracker.print(f"exported: {out} (transformers.pipeline('text-classification', model=...))")
+    tracker.print(f"exported: {out} (transformers.pipeline('text-classification', model=..., truncation=True))")

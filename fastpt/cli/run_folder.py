@@ -13,8 +13,8 @@ process group, so nodes need not share a disk. `start_out_dir` is the first writ
 What `--overwrite` (or a restart with `--resume auto`) removes is fastpt's own and nothing else:
 every run folder holds `.fastpt-run.json`, written before anything else, and only a folder with
 it (or, from before the marker, a config.json with fastpt's settings) whose config.json,
-results.json, checkpoints/ and tb/ hold only what fastpt writes there (`removable`) is cleared; a
-symbolic link there, or any other file, refuses the run with one line naming it. Everything is
+results.json, predictions.csv, checkpoints/ and tb/ hold only what fastpt writes there (`removable`)
+is cleared; a symbolic link there, or any other file, refuses the run with one line naming it. Everything is
 checked before the first file is removed; files beside those places are kept. An export folder
 is fastpt's by its manifest (`checkpoint.write_export`).
 """
@@ -31,7 +31,8 @@ from pathlib import Path
 from fastpt.machinery.config import LATER_SETTINGS, RESUME_SENSITIVE, TrainConfig
 
 
-RUN_FILES = ("config.json", "results.json", "checkpoints", "tb")
+TOP_FILES = ("config.json", "results.json", "predictions.csv")  # the files a run writes at its folder's top
+RUN_FILES = (*TOP_FILES, "checkpoints", "tb")
 
 
 LOCK_NAME = ".lock"
@@ -214,7 +215,7 @@ def remove_stale_temporaries(out: Path) -> None:
     is writing them. Only regular files named after a file fastpt writes there are removed."""
     from fastpt.machinery.checkpoint import temporary_of
 
-    written_by_fastpt = {out: ("config.json", "results.json", MARKER), out / "checkpoints": ("best.pt", "last.pt")}
+    written_by_fastpt = {out: (*TOP_FILES, MARKER), out / "checkpoints": ("best.pt", "last.pt")}
     for folder, names in written_by_fastpt.items():
         if not folder.is_dir():
             continue
@@ -303,8 +304,8 @@ def removable(out: Path) -> list[str]:
 
     fastpt's: the folder has the marker (or, a run from before the marker, a config.json with
     fastpt's settings), and everything in the run's places is what fastpt writes there: config.json,
-    results.json, checkpoints/{best,last}.pt, checkpoints/deepspeed/ (DeepSpeed's own layout), tb/'s
-    event files, their temporaries. A symbolic link there is never followed nor removed. Files
+    results.json, predictions.csv, checkpoints/{best,last}.pt, checkpoints/deepspeed/ (DeepSpeed's own
+    layout), tb/'s event files, their temporaries. A symbolic link there is never followed nor removed. Files
     beside those (a log that a script keeps in the run folder, notes) are left where they are.
     """
     from fastpt.machinery.checkpoint import temporary_of
@@ -313,7 +314,7 @@ def removable(out: Path) -> list[str]:
     for entry in sorted(out.iterdir()):
         if entry.name in (LOCK_NAME, MARKER) and entry.is_file() and not entry.is_symlink():
             continue  # kept: the lock is held, the marker stays true
-        if entry.name not in RUN_FILES and temporary_of(entry.name) not in ("config.json", "results.json", MARKER):
+        if entry.name not in RUN_FILES and temporary_of(entry.name) not in (*TOP_FILES, MARKER):
             continue  # beside the run, not in its places (a script's log): kept, neither removed nor followed
         _walk(out, entry, paths, foreign)
     if foreign:
@@ -348,7 +349,7 @@ def _fastpt_writes(relative: tuple[str, ...], is_dir: bool) -> bool:
     if len(relative) == 1:
         if is_dir:
             return top in ("checkpoints", "tb")
-        return top in ("config.json", "results.json") or temporary_of(top) in ("config.json", "results.json", MARKER)
+        return top in TOP_FILES or temporary_of(top) in (*TOP_FILES, MARKER)
     if top == "checkpoints":
         if relative[1] == "deepspeed":
             return True
@@ -420,10 +421,16 @@ def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: s
             continue
         was = saved.get(name, getattr(TrainConfig, name)) if name in LATER_SETTINGS else saved.get(name)
         if was != getattr(cfg, name):
-            raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {was!r}, now {getattr(cfg, name)!r}")
+            raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {_shown(was)}, "
+                                  f"now {_shown(getattr(cfg, name))}")
     if saved.get("world_size") != world_size and not resuming:
         raise CheckpointError(f"{context}: it was written by {saved.get('world_size')} process(es), "
                               f"this run has {world_size}")
+
+
+def _shown(value) -> str:
+    """A setting's value in a message: "unset" for a flag not given (None), else as Python writes it."""
+    return "unset" if value is None else repr(value)
 
 
 def data_key(inputs) -> str:
@@ -483,7 +490,8 @@ def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist, data_key: str | None = 
         plan.out.mkdir(parents=True, exist_ok=True)
         if not (plan.out / MARKER).is_file():
             write_json_atomic(plan.out / MARKER, {"written_by": "fastpt", "what": "a run folder: --overwrite "
-                                                  "removes config.json, results.json, checkpoints/ and tb/ here"})
+                                                  "removes config.json, results.json, predictions.csv, checkpoints/ "
+                                                  "and tb/ here"})
         for name in plan.to_clear:
             path = plan.out / name
             if path.is_dir() and not path.is_symlink():

@@ -211,14 +211,14 @@ class CommandLine:
         """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet."""
         from fastpt.cli import run_folder
         from fastpt.inputs import token_cache
-        from fastpt.machinery import resize
+        from fastpt.machinery import resize, shared_cache
 
         cfg, dist = self.cfg, self.dist
         check_device_support(cfg, dist)
         out = run_folder.choose_out(cfg)
         run_folder.check_output_folder(out, "--out")
         cache = token_cache.cache_root(cfg.cache_dir)
-        run_folder.check_output_folder(cache, token_cache.cache_setting(cfg.cache_dir))
+        run_folder.check_output_folder(cache, shared_cache.cache_setting(cfg.cache_dir))
         out, self.lock = run_folder.claim_out_dir(out, dist, new=run_folder.is_default_out(cfg))
         if cfg.export_dir:
             run_folder.check_export_dir(Path(cfg.export_dir), out, cfg.overwrite)
@@ -287,6 +287,9 @@ class CommandLine:
                 below_bar = "\n" if self.cfg.progress else ""  # a line of its own, not glued to the bar
                 print(f"{below_bar}{'' if isinstance(e, Requeued) else 'stopped: '}{e}", file=sys.stderr)
             self.status = 0 if isinstance(e, Requeued) else EXIT_STOPPED  # requeued: SLURM runs it again
+            if self.dist.world_size > 1:
+                from fastpt.machinery.signals import settle
+                settle(self.status)  # the launcher's SIGTERM to the last ranks leaves the status as it is
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM while tokenising or building: nothing left behind
             from fastpt.machinery.signals import Interrupted
             if self.started and not isinstance(e, Interrupted):
@@ -353,6 +356,6 @@ def _lost_contact(e: Exception, rank: int, cfg: TrainConfig) -> int:
     """One line from every rank that saw it (rank 0 may be the one that died): status 1."""
     # One write (print would write the text and its newline apart): every rank's line shares one stderr.
     sys.stderr.write(f"error: rank {rank} lost contact with the other processes: another one died, or did not answer "
-                     f"within --dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); with --save-every, the "
-                     f"same command with --resume auto continues from checkpoints/last.pt\n")
+                     f"within --dist-timeout {cfg.dist_timeout} s ({one_line(e, limit=160)}); the same command with "
+                     f"--resume auto continues from checkpoints/last.pt where one was saved\n")
     return EXIT_FAILED

@@ -45,6 +45,14 @@ class TokenizedSplit(Dataset):
         tokens = self.ids[self.offsets[index]:self.offsets[index + 1]]
         return tokens, int(self.labels[index]), weight
 
+    @classmethod
+    def from_token_lists(cls, input_ids: list, labels=None) -> "TokenizedSplit":
+        """A split from a tokenizer's `input_ids` lists (fastpt-predict's texts); labels 0 where there are none."""
+        lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
+        flat = np.fromiter((t for ids in input_ids for t in ids), dtype=np.int32, count=int(lengths.sum()))
+        labels = np.zeros(len(input_ids), np.int64) if labels is None else np.asarray(labels, dtype=np.int64)
+        return cls(flat, np.concatenate([[0], np.cumsum(lengths)]), labels)
+
     def head(self, n: Optional[int]) -> "TokenizedSplit":
         """The first n examples (all when n is None)."""
         if n is None or n >= len(self):

@@ -31,6 +31,11 @@ refused as an unlabelled split). Integer labels are named by their values unless
 names them (`named_labels`: one name per label, in id order). The names are written to
 config.json and best.pt (`label_names`), results.json and, with --export-dir, the model's id2label.
 
+Columns per file: a flag may list several names, `--text-column sentence,content`, and each file
+uses the one it has (SST-2 as distributed calls its text `sentence` in train and `content` in
+dev/test). A file with two of them is refused (which one is meant is for the user to say); a
+name that itself holds a comma still matches as a whole.
+
 Bad input stops before anything is written, with one line: a missing or repeated column (the
 line lists those there are), an empty file or split, one class only, a validation or test label
 the training set lacks, empty or non-string texts, missing labels (how many and where), a
@@ -60,6 +65,7 @@ from typing import Optional
 import numpy as np
 
 from fastpt.inputs import token_cache
+from fastpt.machinery import shared_cache
 from fastpt.machinery.errors import DataError, DiskFull
 
 
@@ -84,17 +90,25 @@ class Table:
     lines: Optional[list] = None  # each row's line in the file (CSV, JSON Lines), for messages
     label_names: Optional[list] = None  # a ClassLabel column's names
     notes: list = field(default_factory=list)  # what reading changed or noticed, one line each
+    rows: Optional[list] = None  # a carved split's rows in the table it came from (None: 0, 1, 2, ...)
+    use: dict = field(default_factory=dict)  # role ("text", "pair", "label") -> this file's column (resolve_columns)
 
     def __len__(self) -> int:
         return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def row_numbers(self) -> list:
+        """Each row's place (from 0) among the data rows of the file or split it was read from."""
+        return list(self.rows) if self.rows is not None else list(range(len(self)))
 
     def place(self, i: int) -> str:
         return f"line {self.lines[i]}" if self.lines else f"row {i + 1}"
 
     def select(self, idx) -> "Table":
         idx = list(idx)
+        numbers = self.row_numbers()
         return Table({k: [v[i] for i in idx] for k, v in self.columns.items()}, self.where,
-                     [self.lines[i] for i in idx] if self.lines else None, self.label_names)
+                     [self.lines[i] for i in idx] if self.lines else None, self.label_names,
+                     rows=[numbers[i] for i in idx], use=self.use)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -230,7 +244,8 @@ def _read_jsonl(path: Path) -> Table:
 def _from_datasets(ds, where: str, label_column: str) -> Table:
     from datasets import ClassLabel
 
-    feature = ds.features.get(label_column)
+    names = [name for name in accepted_names(label_column, ds.features) if name in ds.features]
+    feature = ds.features.get(names[0]) if names else None
     names = list(feature.names) if isinstance(feature, ClassLabel) else None
     return Table(ds.to_dict(), where, None, names)
 
@@ -271,14 +286,48 @@ def read_source(data: str, label_column: str) -> dict:
 
 # ---------------------------------------------------------------------------- checks
 
-def check_columns(table: Table, cfg) -> None:
-    for flag, name in (("--text-column", cfg.text_column), ("--text-pair-column", cfg.text_pair_column),
-                       ("--label-column", cfg.label_column)):
-        if name is not None and name not in table.columns:
-            there = ", ".join(map(show_column, table.columns)) or "none"
-            raise DataError(f"{table.where} has no column {show_column(name)} ({flag}); its columns: {there}")
+ROLES = (("text", "--text-column", "text_column"), ("pair", "--text-pair-column", "text_pair_column"),
+         ("label", "--label-column", "label_column"))
+
+
+def accepted_names(value: str, columns) -> list:
+    """The names a column flag accepts: the value itself if a column has it, else its comma-separated names."""
+    return [value] if value in columns else [name.strip() for name in value.split(",")]
+
+
+def resolve_columns(table: Table, cfg, training: bool) -> None:
+    """table.use: each role's column in this file, the one of its flag's names the file has (exactly one)."""
+    for role, flag, attr in ROLES:
+        value = getattr(cfg, attr)
+        if value is None:
+            continue
+        found = [name for name in accepted_names(value, table.columns) if name in table.columns]
+        if len(found) > 1:
+            raise DataError(f"{table.where} has both {' and '.join(map(show_column, found))}, which {flag} {value} "
+                            f"offers for one column: list one of them only, or rename the other in this file")
+        if not found:
+            raise DataError(missing_column(table, cfg, value, flag, attr, training))
+        table.use[role] = found[0]
     if len(table) == 0:
         raise DataError(f"{table.where} has no rows")
+
+
+def missing_column(table: Table, cfg, value: str, flag: str, attr: str, training: bool) -> str:
+    """The message for a file without a flag's column, and how to name it (a guess where one column is free).
+
+    The training file's own name replaces the flag's; another file's is added to the list.
+    """
+    names = accepted_names(value, ())
+    there = ", ".join(map(show_column, table.columns)) or "none"
+    wanted = (f"no column {show_column(names[0])}" if len(names) == 1
+              else f"none of the columns {', '.join(map(show_column, names))}")
+    claimed = {n for _, _, other in ROLES if other != attr and getattr(cfg, other) is not None
+               for n in accepted_names(getattr(cfg, other), table.columns)}
+    free = [c for c in table.columns if c not in claimed]
+    guess = free[0] if len(free) == 1 and re.fullmatch(r"[\w.-]+", free[0]) else "NAME"  # one a shell keeps
+    advice = (f"say which with {flag} {guess}" if training
+              else f"where files name it differently, list the names: {flag} {value},{guess}")
+    return f"{table.where} has {wanted} ({flag}); its columns: {there}; {advice}"
 
 
 def _places(table: Table, rows: list) -> str:
@@ -400,12 +449,12 @@ def gather_splits(cfg) -> tuple[dict, dict, list]:
                 raise DataError(f"--data {cfg.data} has a {name} split already; drop {flag}")
             splits[name] = read_file(Path(path))
             origin[name] = str(path)
-    for table in splits.values():  # whole files first: errors name their lines
-        check_columns(table, cfg)
-        check_texts(table, cfg.text_column)
+    for name, table in splits.items():  # whole files first: errors name their lines
+        resolve_columns(table, cfg, training=name == "train")
+        check_texts(table, table.use["text"])
         if cfg.text_pair_column:
-            check_texts(table, cfg.text_pair_column)
-        read_labels(table, cfg.label_column)
+            check_texts(table, table.use["pair"])
+        read_labels(table, table.use["label"])
     notes = [line for table in splits.values() for line in table.notes]
     fractions = {}
     for name, fraction in (("validation", cfg.val_fraction), ("test", cfg.test_fraction)):
@@ -413,7 +462,7 @@ def gather_splits(cfg) -> tuple[dict, dict, list]:
             fractions[name] = fraction
     if fractions:
         train = splits["train"]
-        idx = stratified_split(train.columns[cfg.label_column], fractions, cfg.split_seed)
+        idx = stratified_split(train.columns[train.use["label"]], fractions, cfg.split_seed)
         for name, rows in idx.items():
             splits[name] = train.select(rows)
             if name != "train":
@@ -429,12 +478,12 @@ def gather_splits(cfg) -> tuple[dict, dict, list]:
     return splits, origin, notes
 
 
-def label_ids(splits: dict, column: str) -> tuple[dict, list]:
+def label_ids(splits: dict) -> tuple[dict, list]:
     """({split: int64 ids}, names): ids in the sorted order of the training labels (see the module doc)."""
     train = splits["train"]
     if train.label_names is not None:  # a ClassLabel: its own ids and names
         names = [str(n) for n in train.label_names]
-        ids = {name: np.asarray(t.columns[column], dtype=np.int64) for name, t in splits.items()}
+        ids = {name: np.asarray(t.columns[t.use["label"]], dtype=np.int64) for name, t in splits.items()}
         seen = set(ids["train"].tolist())
         check_classes(len(seen), train)
         for name, t in splits.items():
@@ -443,7 +492,7 @@ def label_ids(splits: dict, column: str) -> tuple[dict, list]:
                 raise DataError(f"{t.where} has label{'s' if len(unseen) > 1 else ''} "
                                 f"{', '.join(names[i] for i in unseen[:5])} that the training set lacks")
         return ids, names
-    values = {name: t.columns[column] for name, t in splits.items()}  # read_labels' ints or strings
+    values = {name: t.columns[t.use["label"]] for name, t in splits.items()}  # read_labels' ints or strings
     classes = sorted(set(values["train"]))
     check_classes(len(classes), train)
     index = {c: i for i, c in enumerate(classes)}
@@ -521,17 +570,18 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
     import datasets
 
     splits, origin, notes = gather_splits(cfg)
-    ids, names = label_ids(splits, cfg.label_column)
+    ids, names = label_ids(splits)
     length = built_length(cfg)
     if not cfg.progress:  # --no-progress: no tokenising or saving bars either
         datasets.disable_progress_bars()
-    tmp = token_cache.new_temporary(target)
+    tmp = shared_cache.new_temporary(target)
     try:
         tokenized = {}
         for name in ("train", "validation", "test"):
-            columns = {"text": splits[name].columns[cfg.text_column], "label": ids[name].tolist()}
+            table = splits[name]
+            columns = {"text": table.columns[table.use["text"]], "label": ids[name].tolist()}
             if cfg.text_pair_column:
-                columns["pair"] = splits[name].columns[cfg.text_pair_column]
+                columns["pair"] = table.columns[table.use["pair"]]
 
             def tokenize(batch):
                 return tokenizer(batch["text"], batch.get("pair"), truncation=True, max_length=length)
@@ -543,7 +593,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
         meta = {"label_names": names, "splits": origin, "notes": notes,
                 "built_from": [cfg.data, cfg.val_data, cfg.test_data]}
         (tmp / META).write_text(json.dumps(meta, indent=2))
-        token_cache.publish(tmp, target)
+        shared_cache.publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -560,15 +610,15 @@ def prepare_own_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [
         try:
             root = token_cache.cache_root(cfg.cache_dir)
             path = root / f"data-{cache_key(cfg, tokenizer)}"
-            with token_cache.reported(path):
-                if not token_cache._is_complete(path):
-                    token_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
+            with shared_cache.reported(path):
+                if not shared_cache.is_complete(path):
+                    shared_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
             outcome = ("ok", str(path))
         except (DataError, DiskFull) as e:
-            outcome = token_cache.failure(e)
-    path = token_cache.agree(gather(outcome), builder)
+            outcome = shared_cache.failure(e)
+    path = shared_cache.agree(gather(outcome), builder)
     keep_last = token_cache.ends_with_special_token(tokenizer) and not cfg.text_pair_column
-    with token_cache.reported(path):
+    with shared_cache.reported(path):
         splits = token_cache.load_cache(path, cfg.max_length, keep_last)  # verified against its digest
         meta = json.loads((path / META).read_text())
     origin = as_given(meta["splits"], meta["built_from"], [cfg.data, cfg.val_data, cfg.test_data])

@@ -190,7 +190,8 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     n_params, n_matmul = count_parameters(model)
     layers, hidden = metrics.model_shape(model)
     if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
-        from fastpt.speedups.packing import PackedClassifier, packed_attention_kernel
+        from fastpt.speedups.packed_attention import packed_attention_kernel
+        from fastpt.speedups.packing import PackedClassifier
         model = PackedClassifier(model, packed_attention_kernel(device.type, cfg.compile, cfg.amp))
     # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer, schedule (strategies/base.py)
     batches_per_epoch = inputs.train_examples_used(cfg, dist.world_size) // loaders.train_sampler.global_batch_size
@@ -199,10 +200,11 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
                if cfg.class_weight_values else None)  # --class-weights: the loss's weight of each class
     forward_loss = make_forward_loss(strategy, cfg.max_length, class_weights=weights)
     eval_sums = make_eval_sums(strategy, cfg.max_length, class_weights=weights)
+    peak = device_peak(cfg, dist, hidden)  # MFU's denominator: the vendor's figure, or measured (CPUs)
     torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
-    peak = metrics.device_peak_flops(device, cfg.amp, cfg.tf32)
     meter = metrics.Throughput(device, WARMUP_STEPS,
-                               lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak)
+                               lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden),
+                               peak["flops_per_s"], peak_info=peak)
     stopper = GracefulStop(warning_signal=signal.Signals[f"SIG{cfg.requeue_signal}"],  # slurm.py
                            timeout_s=cfg.dist_timeout)  # a hung rank stops the others at the first step's check
     bookkeeping = Bookkeeping(cfg, dist, out_dir, tracker, meter, stopper, strategy.skips_nonfinite_steps,
@@ -211,7 +213,8 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     record = RunRecord(BestTracker(cfg.monitor_mode),
                        EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta),
                        epoch_offset=resume_state["progress"].get("epoch_offset", 0) if resume_state else 0,
-                       batch_size_flag=(resume_state or {}).get("batch_size_flag", cfg.batch_size))
+                       batch_size_flag=(resume_state or {}).get("batch_size_flag", cfg.batch_size),
+                       label_names=list(inputs.label_names))
     if resume_state:
         tracker.print(f"resumed from step {bookkeeping.global_step} "
                       f"(epoch {bookkeeping.epoch + 1}, batch {bookkeeping.batch_in_epoch})")
@@ -229,3 +232,16 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         stopper.uninstall()
         strategy.close()
         tracker.close()
+
+
+def device_peak(cfg, dist, hidden: int) -> dict:
+    """The dense peak FLOP/s at the run's precision: the vendor's figure for a known GPU, else the best
+    rate of a short matmul probe on this device (machinery/peak.py), cached per machine."""
+    vendor = metrics.device_peak_flops(dist.device, cfg.amp, cfg.tf32)
+    if vendor is not None:
+        return {"flops_per_s": vendor, "source": f"vendor's dense figure for {torch.cuda.get_device_name(dist.device)}"}
+    from fastpt.machinery import peak
+    distributed.barrier()  # the ranks of one host probe together, sharing its cores as their steps will
+    dtype = getattr(torch, cfg.amp_dtype) if cfg.amp else torch.float32
+    return peak.measured_peak(dist.device, dtype, hidden, Path(cfg.cache_dir) if cfg.cache_dir else None,
+                              dist.local_world_size)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
+from fastpt.loop.evaluation import confusion_text, per_class
 from fastpt.machinery.errors import NonFiniteLoss
 
 
@@ -24,6 +25,7 @@ class RunRecord:
     epoch_offset: int = 0  # reviews of this epoch's order done before a resize (resize.py); 0 from the next epoch
     batch_size_flag: int = 0  # --batch-size as the run first started (resize.py)
     tested_on: str = ""  # the weights the test ran on: best, last, or last (no best checkpoint)
+    label_names: list = field(default_factory=list)  # id i is label_names[i]: TensorBoard's per-class views
 
     def add_validation(self, val: dict, bookkeeping) -> None:
         """Its time; a NaN loss stops the run (the model diverged): no best.pt, verdict or last.pt from it."""
@@ -38,7 +40,10 @@ class RunRecord:
                                 f"try a lower --lr or --max-grad-norm)")
 
     def end_epoch(self, train_metrics: dict, val: dict, improved: bool, bookkeeping, tracker) -> None:
-        """The epoch's line, TensorBoard and history; the epoch clock stops and the next epoch begins."""
+        """The epoch's line, TensorBoard and history; the epoch clock stops and the next epoch begins.
+
+        TensorBoard also gets each class's validation F1, precision and recall (val_f1/<label>, ...:
+        a class that fails hides behind a good accuracy) and the validation confusion as text."""
         bookkeeping.stop_epoch_clock()
         row = {"epoch": bookkeeping.epoch + 1, "step": bookkeeping.global_step, **train_metrics,
                "val_loss": val["loss"], "val_acc": val["acc"], "val_macro_f1": val["macro_f1"],
@@ -46,6 +51,11 @@ class RunRecord:
         self.history.append(row)
         tracker.scalars({k: v for k, v in row.items() if k not in ("epoch", "step")}, bookkeeping.global_step,
                         "epoch/")
+        classes = per_class(val["confusion"], self.label_names)
+        for metric in ("f1", "precision", "recall"):
+            tracker.scalars({name: c[metric] for name, c in classes.items()}, bookkeeping.global_step, f"val_{metric}/")
+        tracker.text("val_confusion", f"epoch {row['epoch']}, step {bookkeeping.global_step}\n"
+                     f"{confusion_text(val['confusion'], self.label_names)}", bookkeeping.global_step)
         tracker.print(f"epoch {row['epoch']}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
                       f"val loss {val['loss']:.4f} acc {val['acc']:.4f} macro-F1 {val['macro_f1']:.4f}"
                       f"{' (best)' if improved else ''} | {bookkeeping.train_time_s:.1f} s")

@@ -101,8 +101,9 @@ def max_steps_reached(global_step: int, max_steps: int | None) -> bool:
 def train_epoch(strategy, train_loader, bookkeeping, forward_loss, grad_accum: int, max_steps: int | None):
     """One epoch (or the rest of one, after a resume): train_step around `for batch in loader`.
 
-    A generator: it yields the `Due` of each step that makes last.pt due (--save-every, or a stop
-    after a signal), for train.py to write; the epoch's metrics are then `bookkeeping.end_epoch()`'s.
+    A generator: it yields the `Due` of each step that makes last.pt due (--save-every,
+    --save-every-minutes, or a stop after a signal), for train.py to write; the epoch's metrics
+    are then `bookkeeping.end_epoch()`'s.
     """
     strategy.train()
     micro_batches, batches_left = [], len(train_loader)

@@ -9,8 +9,15 @@
 - the throughput meter, the compile clock and the progress bar;
 - what each step makes due, as an answer to the loop (`after_step` returns a `Due`): a log line
   (at steps 1, 2, 4, ... until --log-every, then every --log-every steps), last.pt every
-  --save-every steps, and a graceful stop after SIGTERM / SIGINT. It calls nothing back: the loop
+  --save-every steps and every --save-every-minutes (10 by default, so a kill -9 loses minutes,
+  not the epoch), and a graceful stop after SIGTERM / SIGINT. It calls nothing back: the loop
   logs (`log`), and train.py writes last.pt and stops.
+
+Saving by time: rank 0's clock decides, and its verdict rides on the stop check's collective (one
+all-reduce of two integers on a gloo group, run at log and save steps under torchrun, at every
+step on one process, where it is no collective at all), so every rank saves at the same step and
+no step waits for anything more. Under torchrun a save falls due at the first log step after the
+interval; a run shorter than the interval never saves by time.
 
 It is built from a checkpoint's state when resuming, so a resumed run logs, averages and
 times exactly what the uninterrupted run would have.
@@ -48,7 +55,7 @@ def is_log_step(step: int, log_every: int) -> bool:
 class Due:
     """What one optimiser step makes due, for the loop to do: a log line, last.pt, a stop."""
     log: bool = False
-    save: bool = False  # last.pt now: --save-every, or a stop (never lose more than the step in flight)
+    save: bool = False  # last.pt now: --save-every, --save-every-minutes, or a stop (never lose more than the step)
     stop: str = ""  # why the run stops after this step ("" = it goes on): status 3, with how to resume
 
 
@@ -77,6 +84,7 @@ class Bookkeeping:
         self.window_count = window[1] if window else 0
         self.epoch_clock = None
         self.step_start = None  # when the step's first batch was asked for
+        self.last_save = time.monotonic()  # --save-every-minutes counts from here (rank 0's clock decides)
 
     def _on_device(self, t):
         return None if t is None else t.to(self.device)
@@ -139,7 +147,12 @@ class Bookkeeping:
         # has logged at this same step (a resume from here would log those points twice).
         at_save = cfg.save_every is not None and self.global_step % cfg.save_every == 0 and not ends_epoch
         # Under torchrun, asking all ranks is a collective: only where the host waits anyway.
-        stop = (at_log or at_save or self.dist.world_size == 1) and self.stopper.requested()
+        stop = at_time = False
+        if at_log or at_save or self.dist.world_size == 1:
+            stop, at_time = self.stopper.poll(save_due=self.save_by_time_due())
+        at_save = at_save or (at_time and not ends_epoch)
+        if at_save or stop:
+            self.last_save = time.monotonic()
         if at_log or at_save or stop:
             self.check_finite()  # no log line, last.pt or stop after a NaN loss: it fails here
         if not stop:
@@ -147,6 +160,11 @@ class Bookkeeping:
         return Due(log=at_log, save=True,
                    stop=f"{self.stopper.signal_name} at step {self.global_step}, checkpoint saved; "
                         f"resume with --resume auto --out {shlex.quote(str(Path(self.out_dir).resolve()))}")
+
+    def save_by_time_due(self) -> bool:
+        """Rank 0's verdict on --save-every-minutes (the other ranks' clocks do not count: poll agrees it)."""
+        minutes = self.cfg.save_every_minutes
+        return self.dist.is_main and minutes > 0 and time.monotonic() - self.last_save >= minutes * 60
 
     def end_epoch(self) -> dict:
         """The epoch's training loss and accuracy over all ranks."""
@@ -207,7 +225,8 @@ class Bookkeeping:
         self.bar.set_postfix(loss=f"{loss:.4f}", **({"samples/s": f"{rates['samples_per_s']:.1f}"} if rates else {}))
         if not self.tracker.progress:  # no bar to show it: one line per log step instead
             self.tracker.print(f"step {self.global_step}: loss {loss:.4f}"
-                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else ""))
+                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else "")
+                               + (f" | MFU {100 * rates['mfu']:.1f}%" if "mfu" in rates else ""))
 
     # ------------------------------------------------------------------ resume state
     def progress(self) -> dict:

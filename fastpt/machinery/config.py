@@ -162,6 +162,7 @@ class TrainConfig:
     overwrite: bool = False
     log_every: int = 50
     save_every: Optional[int] = None
+    save_every_minutes: float = 10.0  # last.pt by rank 0's clock too (bookkeeping.py); 0: off
     resume: Optional[str] = None
     requeue_signal: str = "USR1"  # SLURM's warning before a time limit: save, requeue the job (machinery/slurm.py)
     progress: bool = True
@@ -181,6 +182,8 @@ class TrainConfig:
             if value is not None and value <= 0:
                 raise ValueError(f"--{flag_name(name)} must be positive, got {value}")
         # float("nan") and float("inf") parse as floats; none of these settings means anything with them.
+        if not (math.isfinite(self.save_every_minutes) and self.save_every_minutes >= 0):
+            raise ValueError(f"--save-every-minutes must be 0 (off) or positive, got {self.save_every_minutes}")
         for name in ("lr", "min_delta", "max_grad_norm", "weight_decay", "warmup_ratio"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
@@ -223,7 +226,7 @@ class TrainConfig:
         if self.pack_multiple is not None and not self.pack:
             raise ValueError("--pack-multiple needs --pack")
         if self.pack_multiple is not None and self.pack_multiple > self.max_length:
-            # The rounding tail (< --pack-multiple tokens) is one more attention sequence: see packing.py.
+            # The rounding tail (< --pack-multiple tokens) is one more attention sequence: see packed_attention.py.
             raise ValueError(f"--pack-multiple {self.pack_multiple} exceeds --max-length {self.max_length}")
         if self.data_on_device and (self.num_workers or self.pin_memory):
             raise ValueError("--data-on-device gathers batches on the device: drop --num-workers / --pin-memory")
@@ -265,7 +268,10 @@ class TrainConfig:
             raise ValueError("--data-dir is IMDB's folder; with --data, drop it")
         self.text_column = self.text_column or "text"
         self.label_column = self.label_column or "label"
-        if self.text_pair_column in (self.text_column, self.label_column) or self.text_column == self.label_column:
+        # Each flag may list several names (one per file, own_data.resolve_columns); no name may serve two roles.
+        names = [set(n.strip() for n in v.split(",")) | {v}
+                 for v in (self.text_column, self.text_pair_column, self.label_column) if v is not None]
+        if any(a & b for i, a in enumerate(names) for b in names[i + 1:]):
             raise ValueError("--text-column, --text-pair-column and --label-column must name different columns")
         for split, flag in (("val", "--val-data"), ("test", "--test-data")):
             fraction = getattr(self, f"{split}_fraction")

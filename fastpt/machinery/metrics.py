@@ -18,7 +18,8 @@ L: layers, d: hidden width. The second term is attention's QK^T and AV products,
 2 * 2 * n * d per token per layer forward (PaLM, appendix B, without the causal halving since
 an encoder attends both ways), over the review's own length. The peaks are the vendors' dense
 16-bit / TF32 / FP32 figures (H100 and H200 SXM: 989 TFLOP/s bf16 dense); a large bf16 matmul
-measured about 790 TFLOP/s on an H200, so about 80% MFU is the practical ceiling.
+measured about 790 TFLOP/s on an H200, so about 80% MFU is the practical ceiling. A CPU has no
+such figure: its peak is measured by a short matmul probe (machinery/peak.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ PEAK_FLOPS = {
 
 
 def device_peak_flops(device: torch.device, amp: bool, tf32: bool) -> Optional[float]:
-    """The peak for this GPU and precision, or None where unknown (CPUs, other GPUs)."""
+    """The vendor's peak for this GPU and precision, or None where unknown (CPUs, other GPUs: measured,
+    machinery/peak.py)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -93,9 +95,11 @@ class Throughput:
     `flops_fn(lengths)` gives the useful FLOPs of a batch's reviews (see `review_flops`).
     """
 
-    def __init__(self, device: torch.device, warmup_steps: int, flops_fn, peak_flops: Optional[float]):
+    def __init__(self, device: torch.device, warmup_steps: int, flops_fn, peak_flops: Optional[float],
+                 peak_info: Optional[dict] = None):
         self.device, self.warmup_steps = device, warmup_steps
         self.flops_fn, self.peak = flops_fn, peak_flops
+        self.peak_info = peak_info  # where the peak comes from (machinery/peak.py), for results.json
         self.steps = 0
         self.total = self._zero()
         self.window = self._zero()
@@ -166,6 +170,12 @@ def rate_results(meter: Throughput, world_size: int, resumed_at_step: Optional[i
     totals = meter.rates()
     out = {k: (totals[k] * world_size if k in SUMMED_OVER_RANKS else totals[k]) if k in totals else None
            for k in (*SUMMED_OVER_RANKS, "padding_efficiency", "data_wait_share", "mfu")}
+    if meter.peak:  # MFU's denominator, per rank, and where it comes from
+        info = meter.peak_info or {}
+        out["peak_flops_per_s"] = meter.peak
+        out["peak_source"] = info.get("source")
+        if "shapes" in info:
+            out["peak_probe"] = {"dtype": info["dtype"], "shapes": info["shapes"]}
     if not totals:
         out["samples_per_s_note"] = (f"not measured: the first {meter.warmup_steps} optimiser steps are warm-up "
                                      f"and this run took {meter.steps}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -64,12 +65,34 @@ def interrupt_on_signals():
         raised.append(signum)
         raise Interrupted(signum)
 
+    _settled.clear()
     previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if not _settled:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+_settled: list[int] = []  # the status a completed stop leaves with (settle)
+
+
+def settle(status: int) -> None:
+    """A rank's stop is complete (last.pt on disk, the line printed): from now on SIGTERM or SIGINT
+    ends the process at once with the same status. A launcher stops the other ranks as soon as one
+    has exited (torchrun; srun --kill-on-bad-exit), and its signal must not turn a clean stop
+    (status 3) into a kill (143). For multi-process runs only: the process is about to exit."""
+    _settled[:] = [status]
+
+    def leave(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, leave)
 
 
 _held: list[int] = []  # the warning signal, if it arrived before GracefulStop was installed
@@ -95,7 +118,7 @@ class GracefulStop:
     def __init__(self, warning_signal: int | None = None, timeout_s: int | None = None):
         self.timeout_s = timeout_s  # --dist-timeout: a group of its own does not inherit the default group's
         self.signum = None  # this process's signal: a second one exits at once
-        self.agreed = None  # the signal all ranks stop for (requested())
+        self.agreed = None  # the signal all ranks stop for (poll())
         self.warning_signal = warning_signal
         self._previous = {}
         self._group = None
@@ -130,17 +153,22 @@ class GracefulStop:
     def signal_name(self) -> str:
         return signal.Signals(self.stop_signal).name if self.stop_signal is not None else "no signal"
 
-    def requested(self) -> bool:
-        """True on every rank if any rank received a signal (a collective under torchrun)."""
+    def poll(self, save_due: bool = False) -> tuple[bool, bool]:
+        """(stop, save), the same on every rank: whether any rank received a signal, and whether any
+        rank's `save_due` is set (a collective under torchrun).
+
+        `save_due` rides on this collective, which the loop runs anyway: rank 0's clock says last.pt
+        is due (--save-every-minutes) and every rank saves at the same step, for no collective more.
+        """
         import torch
         import torch.distributed as dist
 
         if self._group is None:
-            return self.signum is not None
-        flag = torch.tensor([self.signum or 0], dtype=torch.int32)  # host memory: no GPU sync
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        self.agreed = int(flag.item()) or None  # possibly another rank's signal: this rank stops for it too
-        return self.agreed is not None
+            return self.signum is not None, save_due
+        flags = torch.tensor([self.signum or 0, int(save_due)], dtype=torch.int32)  # host memory: no GPU sync
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        self.agreed = int(flags[0]) or None  # possibly another rank's signal: this rank stops for it too
+        return self.agreed is not None, bool(flags[1])
 
     def ignore_signals(self) -> None:
         """The run is leaving (a requeued SLURM job's tasks get SIGTERM): its signals are ignored from now

@@ -4,8 +4,10 @@ Only rank 0 talks. Other ranks get a `NullTracker`, an object with the same meth
 nothing, so the training loop never needs `if rank == 0` around a log call.
 
 TensorBoard gets, besides the scalars, a custom-scalars layout (the CUSTOM SCALARS tab: training
-and validation loss on one chart, accuracy on another) and the run's settings in the HPARAMS tab,
-each only where it applies (no amp_dtype for a run without --amp).
+and validation loss on one chart, accuracy on another, validation macro-F1, and every class's
+validation F1 / precision / recall on one chart each) and the run's settings in the HPARAMS tab,
+each only where it applies (no amp_dtype for a run without --amp). The TEXT tab holds the config
+and the validation confusion of each epoch.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from tqdm.auto import tqdm
 from fastpt.machinery.config import NEEDS
 
 
-# Tags the run logs: train/loss per log step, epoch/<metric> per epoch.
+# Tags the run logs: train/loss per log step, epoch/<metric> and val_<f1|precision|recall>/<label> per
+# epoch. A multiline chart's tags are regular expressions: one per-class chart holds every label.
 CUSTOM_SCALARS = {
     "training vs validation": {
         "loss": ["Multiline", ["train/loss", "epoch/train_loss", "epoch/val_loss"]],
         "accuracy": ["Multiline", ["epoch/train_acc", "epoch/val_acc"]],
+        "macro-F1": ["Multiline", ["epoch/val_macro_f1"]],
     },
+    "validation per class": {metric: ["Multiline", [f"val_{metric}/.*"]] for metric in ("f1", "precision", "recall")},
 }
 
 
@@ -67,10 +72,10 @@ class Tracker:
                     if isinstance(v, (int, float)):
                         self.writer.add_scalar(f"{prefix}{k}", v, step)
 
-    def text(self, tag: str, text: str) -> None:
+    def text(self, tag: str, text: str, step: Optional[int] = None) -> None:
         if self.writer:
             with _event_file_errors(self.out_dir / "tb"):
-                self.writer.add_text(tag, f"```\n{text}\n```")
+                self.writer.add_text(tag, f"```\n{text}\n```", step)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         if self.writer:

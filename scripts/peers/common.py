@@ -105,9 +105,20 @@ def make_meter(model, device: torch.device, precision: str | None = None) -> met
     also MFU, with fastpt's formula and peak for that precision."""
     _, n_matmul = count_parameters(model)
     layers, hidden = metrics.model_shape(model)
-    peak = None if precision is None else metrics.device_peak_flops(device, amp=precision != "32", tf32=False)
+    info = None
+    if precision is not None:
+        peak = metrics.device_peak_flops(device, amp=precision != "32", tf32=False)
+        if peak is None:  # a CPU: the same measured matmul peak fastpt's own runs use (cached per machine)
+            from fastpt.machinery.peak import measured_peak
+            dtype = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}[precision]
+            info = measured_peak(device, dtype, hidden, token_cache.cache_root(None),
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            peak = info["flops_per_s"]
+    else:
+        peak = None
     return metrics.Throughput(device, WARMUP_STEPS,
-                              lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak)
+                              lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden), peak,
+                              peak_info=info)
 
 
 def record_batch(meter: metrics.Throughput, batch: dict) -> None:

@@ -1,0 +1,66 @@
+"""Inference: a trained classifier's probabilities on new texts, by the fastest path plain PyTorch has.
+
+    split = tokenize(tokenizer, texts, None, max_length)     # one call: the fast tokenizer's batch
+    loader = prediction_loader(split, batch_size, ...)       # length-sorted batches, padded to their longest
+    out = predict(model, loader, device, autocast)           # inference_mode; out["probabilities"][i] is text i's
+
+What makes it faster than `transformers.pipeline("text-classification")` on the same texts and
+model (scripts/bench_predict.py measures both):
+- Length-sorted batches. The sampler orders the texts longest first (data.EvalBatchSampler with
+  `sort_by_length`) and each batch pads only to its own longest (Collator, pad_to="longest"), so
+  a batch's texts have about the same length and almost no computation goes to padding. The
+  pipeline batches texts in the order given and pads each batch to its longest: IMDB reviews
+  vary from a few dozen tokens to 512, so a random batch of 32 is mostly padding.
+- Large batches (--batch-size): with no activations kept for a backward pass, a batch can be
+  many times a training batch: fewer, fuller matrix products and kernel launches.
+- One tokenizer call for all texts (Rust, in parallel), not one call per text.
+- `torch.inference_mode()`: no autograd recording and no version counters on the tensors
+  (evaluation.py uses `no_grad`, which compiled and sharded training modules need; this is a
+  plain model that never trains).
+- Optional autocast (--amp bfloat16): matrix products in 16 bits on GPUs, and on CPUs with 16-bit
+  matrix units (AMX, AVX-512 BF16); on a CPU without them it is slower than float32.
+
+Several processes (torchrun) each take their share of the sorted order, rank r every r-th text,
+and one all-gather puts the results back in the input's order (evaluation.gather_per_example).
+Cost: every text is tokenised and held in memory at once (4 bytes a token). Lightning: `Trainer.predict`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fastpt.inputs import data
+from fastpt.loop.evaluation import gather_per_example
+from fastpt.loop.step import classify
+
+
+def tokenize(tokenizer, texts: list, pairs: list | None, max_length: int, labels=None) -> data.TokenizedSplit:
+    """The texts (and second texts of pairs) tokenised in one call, cut at max_length as training's are."""
+    encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length, return_attention_mask=False,
+                        return_token_type_ids=False)
+    return data.TokenizedSplit.from_token_lists(encoded["input_ids"], labels)
+
+
+def prediction_loader(split: data.TokenizedSplit, batch_size: int, pad_id: int, max_length: int, rank: int = 0,
+                      world_size: int = 1, sep_id: int | None = None, num_workers: int = 0, pin_memory: bool = False):
+    """Batches of texts of about one length (longest first), each padded to its own longest; this rank's share."""
+    sampler = data.EvalBatchSampler(split, batch_size, rank, world_size, sort_by_length=True)
+    collate = data.Collator(pad_id, "longest", max_length, sep_id)
+    return data.make_loader(split, sampler, collate, num_workers, pin_memory, seed=0)
+
+
+@torch.inference_mode()
+def predict(model: torch.nn.Module, loader, device: torch.device, autocast=None) -> dict:
+    """{'probabilities' [n, K] float32, 'predicted' [n] int64} in the split's order, on every rank.
+
+    Results stay on the device until the loop ends: no host read per batch."""
+    model.eval()
+    kept = []
+    for batch in loader:
+        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with autocast or contextlib.nullcontext():
+            logits = classify(model, batch, max_length=0).float()  # max_length: for packed batches only
+        kept.append((torch.softmax(logits, dim=-1), logits.argmax(dim=-1)))
+    return gather_per_example(loader.batch_sampler, kept)

@@ -1,0 +1,130 @@
+"""The device's matmul peak, measured: the denominator of MFU where no vendor figure applies.
+
+MFU needs the device's dense peak FLOP/s at the run's precision. For the GPUs fastpt knows
+(metrics.PEAK_FLOPS) that is the vendor's figure. For a CPU there is no such figure to look up:
+the same model name runs with 2 cores or 64, with or without AMX tiles, and bfloat16 is a
+native instruction on some and emulated on others (AVX2). So fastpt measures it: a short
+matmul probe at the run's precision, on the model's own shapes (tokens x hidden @ hidden x
+4*hidden, the feed-forward layer, the largest matmul of a step) and a square 2048 x 2048, with
+the run's thread count; the best rate is the peak. Every rank of a job on one host probes at
+the same time, so ranks that share the cores share them in the probe too.
+
+What it costs: about a second, once per machine: the figure is cached as JSON under the cache
+folder (`<cache dir>/peak/`), keyed by the CPU (model and flags), torch's version, the thread
+count, ranks per host, the precision and the shapes. The file records the shapes and each
+shape's rate next to the peak, so a reader sees what was measured. A file another user wrote,
+or one that does not parse, is measured again (a wrong peak would only mislead, but nothing in
+a shared folder is trusted).
+
+This is an achieved peak, not a datasheet one: MFU against it says how much of what this
+machine's matmuls reach the step uses, which is the question a CPU run asks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SQUARE = 2048
+PROBE_S = 0.25  # seconds per timing; the best of three timings per shape
+
+
+def cpu_identity() -> dict:
+    """The CPU's model name and instruction-set flags (Linux /proc/cpuinfo; platform's name elsewhere)."""
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = value.strip()
+    except OSError:
+        pass
+    return {"model": model, "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12],
+            "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def probe_shapes(hidden: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the probe: the feed-forward matmul of 4096 tokens, and a square one."""
+    return [(4096, hidden, 4 * hidden), (SQUARE, SQUARE, SQUARE)]
+
+
+def matmul_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> float:
+    """The best rate of an (m x k) @ (k x n) matmul over three timings of about PROBE_S each."""
+    g = torch.Generator(device).manual_seed(0)  # its own: the run's random state (dropout masks) stays untouched
+    a = torch.randn(m, k, device=device, generator=g).to(dtype)
+    b = torch.randn(k, n, device=device, generator=g).to(dtype)
+    torch.mm(a, b)  # first call: oneDNN / cuBLAS picks and prepares its kernel
+    _sync(device)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    _sync(device)
+    once = max(time.perf_counter() - start, 1e-6)
+    reps = max(1, int(PROBE_S / once))
+    best = 0.0
+    for _ in range(3 if once < PROBE_S else 1):  # a slow matmul (emulated bfloat16): one timing is enough
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        _sync(device)
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start))
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_root: Optional[Path],
+                  ranks_per_host: int = 1) -> dict:
+    """{"flops_per_s", "dtype", "shapes": [{"mnk", "flops_per_s"}], "source"}: cached, else measured now."""
+    key = {"cpu": cpu_identity() if device.type == "cpu" else None,
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "ranks_per_host": ranks_per_host,
+           "dtype": str(dtype).removeprefix("torch."), "shapes": probe_shapes(hidden)}
+    path = None
+    if cache_root is not None:
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        path = Path(cache_root) / "peak" / f"peak-{digest}.json"
+        cached = _read(path, key)
+        if cached is not None:
+            return {**cached, "source": f"measured earlier on this machine ({path})"}
+    rates = [{"mnk": list(shape), "flops_per_s": matmul_flops_per_s(*shape, dtype, device)}
+             for shape in key["shapes"]]
+    found = {"key": key, "flops_per_s": max(r["flops_per_s"] for r in rates), "dtype": key["dtype"], "shapes": rates}
+    if path is not None:
+        _write(path, found)
+    return {**found, "source": "measured at the start of this run"}
+
+
+def _read(path: Path, key: dict) -> Optional[dict]:
+    """The cached figure if this user wrote it, it parses and it was measured for exactly `key`."""
+    try:
+        if path.stat().st_uid != os.getuid():
+            return None
+        found = json.loads(path.read_text())
+        if found.get("key") != json.loads(json.dumps(key)) or not float(found["flops_per_s"]) > 0:
+            return None
+        return found
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _write(path: Path, found: dict) -> None:
+    """Atomically (ranks may write the same file at once); a cache that cannot be written is skipped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(found, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass

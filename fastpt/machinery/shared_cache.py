@@ -1,0 +1,235 @@
+"""A cache folder many runs and users share: built once, published whole, checked on every load.
+
+The token caches (inputs/token_cache.py for IMDB, inputs/own_data.py for --data) are built by
+whichever run needs them first and read by every later one, also by other runs at the same time
+and, with one FASTPT_CACHE_DIR for a team, by other users. What that takes:
+- one build: concurrent runs take turns on a lock file (`build_once`); one builds, the others
+  wait and then read its finished folder. Nothing is left behind: the lock file goes when the
+  build ends, and so do the folders made for a build that failed;
+- no half-built folder in place: a build writes into a temporary folder beside the target and
+  renames it into place in one step (`publish`). The temporary folder follows the umask (not
+  mkdtemp's 0700), so teammates can read the cache;
+- no trust on load: the key names the data, but nothing on load would check the files against
+  it, so `publish` records the SHA-256 of every file (`fastpt_digest.json`) and every load
+  recomputes them (`verify`): a cache changed afterwards (labels rewritten, say) is refused with
+  one line, not trained on. Hashing is cheap next to loading: the 50,000 reviews' 54 MB in
+  0.14 s, of a 2.9 s load (scripts/cache_digest.py, 2 shared CPU cores). What it cannot stop is
+  someone able to write the folder who also rewrites the digest: keep a shared cache writable
+  only by the people whose builds you would train on;
+- one line for every failure (`reported`): a full disk (status 1), a folder closed to this user
+  (naming it and whose it is); under torchrun every rank stops with the same line (`agree`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import pwd
+import secrets
+import shutil
+import stat
+from pathlib import Path
+from typing import Optional
+
+from fastpt.machinery.errors import DataError, DiskFull
+
+DIGEST = "fastpt_digest.json"  # the SHA-256 of every other file of a cache folder, written when it is built
+
+
+def cache_setting(cache_dir: Optional[str]) -> str:
+    """The setting an error about the cache folder names: FASTPT_CACHE_DIR where the folder is its value
+    (the run's config holds the resolved folder either way), else --cache-dir."""
+    env = os.environ.get("FASTPT_CACHE_DIR")
+    if env and (not cache_dir or Path(cache_dir).resolve() == Path(env).resolve()):
+        return "FASTPT_CACHE_DIR"
+    return "--cache-dir"
+
+
+def new_temporary(target: Path) -> Path:
+    """An empty folder beside target to build in, with the permissions the umask gives.
+
+    Not `tempfile.mkdtemp`: its mode 0700 would survive the rename, and teammates sharing the
+    cache folder could not read the cache (run_folder's files follow the umask the same way).
+    """
+    while True:
+        tmp = target.with_name(f".tmp-{target.name}-{secrets.token_hex(4)}")
+        try:
+            tmp.mkdir(mode=0o777)
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Record the digest of everything built in tmp, then rename it to target in one step.
+
+    If another process published the same cache first (same key, same content), its copy is kept.
+    """
+    (tmp / DIGEST).write_text(json.dumps({"sha256": file_digests(tmp)}, indent=1))
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not is_complete(target):  # not another build's finished copy: a real failure
+            raise
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """{path inside folder: SHA-256 of its bytes} for every file but the digest file itself."""
+    digests = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and name != DIGEST:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            digests[name] = h.hexdigest()
+    return digests
+
+
+def verify(path: Path) -> None:
+    """DataError unless every file of the cache is byte for byte what its build recorded.
+
+    A changed, added or removed file, or a changed digest file, is refused: nothing trains on it.
+    """
+    try:
+        recorded = json.loads((path / DIGEST).read_text())["sha256"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        recorded = None
+    found = file_digests(path)
+    if recorded == found:
+        return
+    if isinstance(recorded, dict):
+        changed = sorted(set(recorded) ^ set(found) | {n for n in found if recorded.get(n) != found[n]})
+        what = f"{changed[0]}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''} differ from its digest"
+    else:
+        what = f"its digest file {DIGEST} is missing or unreadable"
+    raise DataError(f"refused the token cache {path}: it was changed after it was built ({what}); nothing was "
+                    f"trained on it. Remove that folder (rm -r {path}) and run again to rebuild it")
+
+
+def is_complete(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file()
+
+
+def build_once(path: Path, build) -> None:
+    """build() under an exclusive lock on <path>.lock: concurrent runs build it once.
+
+    Nothing is left behind: the lock file goes when the build ends, and so do the cache folders
+    made for it if the build failed (bad data leaves no trace in the cache folder).
+    """
+    made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        fd = take_lock(lock_path)
+        try:
+            if not is_complete(path):  # another run may have built it while this one waited
+                build()
+        finally:
+            with contextlib.suppress(OSError):
+                lock_path.unlink()  # while still locked: a run that opened it meanwhile locks a new one (take_lock)
+            os.close(fd)
+    finally:
+        if not is_complete(path):
+            for folder in made:  # deepest first; one that holds something (another run's lock) stays
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+
+
+def take_lock(lock_path: Path) -> int:
+    """An exclusive flock on lock_path, created if missing; held until its descriptor is closed (or the process dies).
+
+    The holder removes the file when done, so after locking we check that the file we hold is still
+    the one at lock_path (as run_folder.RunFolderLock does); if not, we lock the new one.
+    """
+    while True:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's lock file will do
+        except FileNotFoundError:  # the folder was removed by a failed build just now
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def reported(path: Path):
+    """OSErrors on the cache folder `path` as one line: a full disk (DiskFull: status 1), no permission
+    (DataError naming the folder and whose it is); the build has removed its temporaries already."""
+    try:
+        yield
+    except OSError as e:
+        setting = cache_setting(str(path.parent))
+        if no_space(e):
+            free = shutil.disk_usage(existing_parent(path)).free
+            raise DiskFull(f"no space left in {path.parent} for the token cache {path.name}: {free:,} bytes free; "
+                           f"free some space or choose another {setting}") from None
+        if isinstance(e, PermissionError):
+            raise DataError(permission_line(path, setting)) from None
+        raise DataError(f"cannot use the token cache {path}: {e.strerror or e} (choose another {setting})") \
+            from None
+
+
+def failure(e: Exception) -> tuple[str, str]:
+    """A builder's error as an outcome the other ranks can raise again (agree)."""
+    return ("full" if isinstance(e, DiskFull) else "error", str(e))
+
+
+def agree(outcomes: list, builder: int) -> Path:
+    """The cache this rank reads (its node builder's), after every builder's outcome is known:
+    the first error anywhere, or nodes whose data differ, stop every rank with one line."""
+    errors = [(status, value) for status, value in filter(None, outcomes) if status != "ok"]
+    if errors:
+        status, message = errors[0]
+        raise (DiskFull if status == "full" else DataError)(message)
+    keys = {Path(value).name for status, value in filter(None, outcomes)}  # the key: data + tokenizer
+    if len(keys) > 1:
+        raise DataError(f"the nodes found different data ({', '.join(sorted(keys))}); "
+                        f"give every node the same --data-dir contents")
+    return Path(outcomes[builder][1])
+
+
+def no_space(e: BaseException | None) -> bool:
+    """Whether e, or an error it was raised while handling, says the disk or quota is full."""
+    while e is not None:
+        if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)):
+            return True  # pyarrow's writers raise OSError("... No space left on device") without an errno
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def permission_line(path: Path, setting: str) -> str:
+    """Which cache folder is closed to this user, and whose it is."""
+    for folder in (path, *path.parents):  # the cache itself, or the nearest folder above it we can see
+        try:
+            st = folder.stat()
+            break
+        except OSError:
+            continue
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    mode = stat.filemode(st.st_mode)
+    if st.st_uid == os.getuid():
+        return (f"no permission to use the token cache {folder} (yours, {mode}): chmod -R u+rwX {folder}, "
+                f"or choose another {setting}")
+    return (f"no permission to use the token cache {folder} ({owner}'s, {mode}): ask {owner} to open it to you "
+            f"(chmod -R g+rwX {folder}), or choose another {setting}")

@@ -1,0 +1,182 @@
+"""Attention inside each review of a packed batch (packing.py): the kernels, and their hook into
+Hugging Face models (a registered attention function).
+
+The attention kernels (`KERNELS`), all exact; `packed_attention_kernel` picks one:
+- "varlen": `torch.nn.attention.varlen.varlen_attn`, FlashAttention on the stream (CUDA,
+  fp16/bf16 only). Reads nothing back to the host. It writes outputs and gradients only for rows
+  inside a sequence, so the rounding tail goes in as one more sequence, no longer than
+  `max_seqlen`: hence `--pack-multiple` <= `--max-length`.
+- "loop": plain SDPA on each review in turn, inside one custom operator (`attend_each_review`)
+  that torch.compile treats as opaque. Reads `cu_seqlens` to the host (one sync per layer on a
+  GPU, nothing on a CPU). The fastest CPU kernel by far, so the CPU's choice, eager and compiled.
+- "mask": SDPA on the whole stream with a block-diagonal mask built on the device from
+  `cu_seqlens`. O(T^2) work and memory, but no host read and no data-dependent shape: a CUDA
+  graph compiled in fp32 (where varlen has no kernel) uses it.
+Measured on an idle 2-core AMD EPYC (`python scripts/packing_kernels.py`): one attention call,
+forward + backward, fp32, 12 heads of 32, 12 reviews of IMDB-like lengths (mean 266, longest
+501): loop 51 ms, mask 0.49 s (3,198^2 scores per head), padded to 512 with a mask 0.18 s. SDPA
+on a nested jagged tensor (`torch.nested`, layout=torch.jagged), a fifth way, took 1.4 s: torch
+has no fused CPU kernel for jagged inputs (it copies them to a strided nested tensor and runs
+the unfused math path), and on CUDA varlen is the fused kernel, so fastpt does not use it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_ATTENTION = "fastpt_packed"
+KERNELS = ("varlen", "loop", "mask")
+
+
+# Each takes query/key/value as [1, heads, T, head_dim] and returns [1, T, heads, head_dim].
+# Tokens after cu_seqlens[-1] (rounding) are one more segment in every kernel: they attend among
+# themselves, no review sees them, and nothing reads their outputs (so their gradients are zero).
+
+def _segment_edges(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    """Review boundaries on the host, plus the rounding tail as one more segment if there is one."""
+    edges = cu_seqlens.tolist()  # the host read of the "loop" kernel
+    return edges + [num_tokens] if edges[-1] < num_tokens else edges
+
+
+def _attend_each_review(query, key, value, cu_seqlens, scaling):
+    edges = _segment_edges(cu_seqlens, query.shape[2])
+    sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+    # split, not slicing: the backward of B slices would write B full-size zero tensors and add
+    # them up; split's backward is one concatenation.
+    out = [F.scaled_dot_product_attention(q, k, v, scale=scaling)
+           for q, k, v in zip(*(x.split(sizes, dim=2) for x in (query, key, value)))]
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+
+
+# The loop is one custom operator, opaque to torch.compile: the compiler sees an op whose output
+# has the query's shape, not the host read and the data-dependent split inside it, so a graph
+# compiled with fullgraph=True keeps the per-review loop (one graph for every length) instead of
+# the mask kernel's T x T scores. Its backward runs the loop again through torch.func.vjp (a
+# second attention forward: a small share of a step next to the layers' matmuls).
+@torch.library.custom_op("fastpt::attend_each_review", mutates_args=())
+def attend_each_review(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    return _attend_each_review(query, key, value, cu_seqlens, scaling)
+
+
+@attend_each_review.register_fake
+def _(query, key, value, cu_seqlens, scaling):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+@torch.library.custom_op("fastpt::attend_each_review_backward", mutates_args=())
+def attend_each_review_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                cu_seqlens: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    # torch.func.vjp, not torch.autograd: autograd records nothing inside a custom operator.
+    _, pullback = torch.func.vjp(lambda q, k, v: _attend_each_review(q, k, v, cu_seqlens, scaling), query, key, value)
+    return tuple(g.contiguous() for g in pullback(grad))  # the strides the shape rule below promises
+
+
+@attend_each_review_backward.register_fake
+def _(grad, query, key, value, cu_seqlens, scaling):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _save_inputs(ctx, inputs, output):
+    query, key, value, cu_seqlens, ctx.scaling = inputs
+    ctx.save_for_backward(query, key, value, cu_seqlens)
+
+
+def _backward(ctx, grad):
+    return *attend_each_review_backward(grad, *ctx.saved_tensors, ctx.scaling), None, None
+
+
+attend_each_review.register_autograd(_backward, setup_context=_save_inputs)
+
+
+def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+    scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    return attend_each_review(query, key, value, cu_seqlens, scaling)
+
+
+def _mask_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+    # Segment id of each token: review i is i + 1, the rounding tail is B + 1. Same id, may attend.
+    tokens = torch.arange(query.shape[2], device=query.device, dtype=cu_seqlens.dtype)
+    segment = torch.searchsorted(cu_seqlens, tokens, right=True)
+    mask = segment[:, None] == segment[None, :]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2)
+
+
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # FlashAttention's: no float32 kernel
+
+
+def _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
+    from torch.nn.attention.varlen import varlen_attn  # PyTorch >= 2.10, CUDA only
+    if query.dtype not in VARLEN_DTYPES:
+        raise ValueError(f"the 'varlen' kernel (FlashAttention) needs fp16 or bf16 inputs, got {query.dtype}: "
+                         "train under autocast, or use the 'loop' or 'mask' kernel")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, d], tokens first
+    # FlashAttention writes only the rows inside a sequence: its outputs come from `empty_like`, in
+    # the forward (out) and in the backward (dq, dk, dv: not zeroed), so a row outside every
+    # sequence would send whatever memory held into the layers below. The rounding tail after
+    # cu_seqlens[-1] therefore goes in as one more sequence (attending among itself, as in the other
+    # kernels); it is shorter than --pack-multiple <= --max-length = max_seqlen (config.py), so the
+    # kernel covers all of it. Without a tail it is an empty sequence, which the kernel skips (each
+    # block returns at once). Built on the device, with the token count as a symbol under compile:
+    # no host read, one graph for every length.
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), q.shape[0])])
+    # Positional arguments only: torch 2.10 has `is_causal` as the 8th, later versions keyword-only
+    # options; the default scale (head_dim ** -0.5) is the one BERT and DistilBERT use.
+    if "scale" in _VARLEN_OPTIONS:
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling)
+    elif scaling is None or abs(scaling - q.shape[-1] ** -0.5) < 1e-12:
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    else:
+        raise ValueError("this torch's varlen_attn has no scale argument and the model's scale is not 1/sqrt(d)")
+    return out[None]
+
+
+def _varlen_options() -> frozenset:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN_OPTIONS = _varlen_options()
+_KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention, "mask": _mask_attention}
+
+
+def packed_attention_kernel(device_type: str, compiled: bool, low_precision: bool = True) -> str:
+    """The kernel to use: FlashAttention's varlen on CUDA in fp16/bf16; the per-review loop on a
+    CPU, eager or compiled; on CUDA in fp32, the loop in eager mode and the block-diagonal mask
+    under torch.compile (the loop's host read would stall a compiled step and break CUDA graphs)."""
+    if device_type == "cuda" and low_precision and "cu_seq_q" in _VARLEN_OPTIONS:
+        return "varlen"
+    return "mask" if compiled and device_type == "cuda" else "loop"
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     cu_seqlens=None, max_seqlen=None, packed_kernel="loop", **kwargs):
+    """Transformers attention function: packed when `cu_seqlens` is given, else plain SDPA.
+
+    The SDPA fallback keeps the same model usable on padded batches (evaluation, or loading
+    it anywhere) after `apply_packed_attention`. Packed attention ignores `dropout` (see top).
+    """
+    if cu_seqlens is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    out = _KERNEL_FUNCTIONS[packed_kernel](query, key, value, cu_seqlens, max_seqlen, scaling)
+    return out, None
+
+
+def apply_packed_attention(model: nn.Module) -> nn.Module:
+    """Switches a Hugging Face model to `packed_attention` (registered once, with SDPA's mask)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # padded batches keep their mask
+    model.set_attn_implementation(PACKED_ATTENTION)
+    return model

@@ -1,0 +1,143 @@
+"""Predictions: a run's predictions.csv against its results.json, and fastpt-predict against transformers' pipeline."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastpt.cli.predict import main as predict
+from test_own_data import rows, write_csv
+from train import main as train
+
+
+def read_predictions(path: Path) -> list[dict]:
+    if path.suffix == ".csv":
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def counted_confusion(predictions: list[dict], names: list) -> list[list[int]]:
+    """confusion[true][predicted] counted from the file's label and predicted columns."""
+    return [[sum(p["label"] == a and p["predicted"] == b for p in predictions) for b in names] for a in names]
+
+
+def probabilities(predictions: list[dict], names: list) -> np.ndarray:
+    return np.array([[float(p[f"prob_{name}"]) for name in names] for p in predictions])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    """One tiny run on made-up 3-class data (31 test rows from their own file), with an export."""
+    root = tmp_path_factory.mktemp("predict")
+    test_rows = rows(31, seed=5)
+    train_csv, test_csv = write_csv(root / "train.csv", rows(120)), write_csv(root / "test.csv", test_rows)
+    run, export = root / "run", root / "export"
+    assert train(["--model", "tiny", "--data", str(train_csv), "--test-data", str(test_csv), "--cache-dir",
+                  str(cache_dir), "--max-length", "24", "--batch-size", "8", "--epochs", "3", "--lr", "3e-3",
+                  "--no-progress", "--no-tensorboard", "--out", str(run), "--export-dir", str(export)]) == 0
+    return {"root": root, "run": run, "export": export, "test_csv": test_csv, "test_rows": test_rows,
+            "results": json.loads((run / "results.json").read_text())}
+
+
+def test_predictions_csv_counts_to_the_results_confusion(trained):
+    results, names = trained["results"], trained["results"]["label_names"]
+    predictions = read_predictions(trained["run"] / "predictions.csv")
+    assert list(predictions[0]) == ["row", "text", "label", "predicted", *[f"prob_{n}" for n in names]]
+    assert [int(p["row"]) for p in predictions] == list(range(31))  # the test file's rows, in its order
+    assert [(p["text"], p["label"]) for p in predictions] == trained["test_rows"]
+    assert counted_confusion(predictions, names) == results["test_confusion"]
+    assert len({p["predicted"] for p in predictions}) > 1, "a model predicting one class makes the counts weak"
+    probs = probabilities(predictions, names)
+    assert np.allclose(probs.sum(1), 1, atol=1e-5)
+    assert [names[i] for i in probs.argmax(1)] == [p["predicted"] for p in predictions]
+
+
+def test_carved_imdb_test_split_names_each_review_by_its_file(tiny_args, imdb_dir, tmp_path):
+    """IMDB: each test review once, by its file in aclImdb/ (no text: the tarball is not read again);
+    the counts are results.json's."""
+    import tarfile
+
+    out = tmp_path / "run"
+    assert train(tiny_args("--epochs", "1", "--no-tensorboard", out=out)) == 0
+    results = json.loads((out / "results.json").read_text())
+    predictions = read_predictions(out / "predictions.csv")
+    assert len(predictions) == results["test_examples"] == 32
+    assert counted_confusion(predictions, ["neg", "pos"]) == results["test_confusion"]
+    assert list(predictions[0])[:3] == ["review", "label", "predicted"]
+    assert len({p["review"] for p in predictions}) == 32
+    with tarfile.open(imdb_dir / "aclImdb_v1.tar.gz") as tar:
+        files = set(tar.getnames())
+    for p in predictions:
+        assert f"aclImdb/{p['review']}" in files and p["label"] == p["review"].split("/")[1]
+
+
+def test_predict_matches_the_pipeline_from_the_export_and_the_run_folder(trained, capsys):
+    from transformers import pipeline
+
+    names, root = trained["results"]["label_names"], trained["root"]
+    outputs = {}
+    for source, out in (("export", root / "from-export.csv"), ("run", root / "from-run.jsonl")):
+        assert predict(["--model", str(trained[source]), "--data", str(trained["test_csv"]), "--out", str(out),
+                        "--batch-size", "4"]) == 0
+        outputs[source] = read_predictions(out)
+    printed = capsys.readouterr().out
+    accuracy = np.trace(trained["results"]["test_confusion"]) / 31
+    assert printed.count(f"evaluation: accuracy {accuracy:.4f}") == 2  # the run's own test accuracy, both times
+
+    texts = [text for text, _ in trained["test_rows"]]
+    classify = pipeline("text-classification", model=str(trained["export"]), device="cpu", top_k=None)
+    theirs = [{s["label"]: s["score"] for s in scores} for scores in classify(texts)]
+    for source, predictions in outputs.items():
+        assert [p["predicted"] for p in predictions] == [max(t, key=t.get) for t in theirs], source
+        assert np.allclose(probabilities(predictions, names), [[t[n] for n in names] for t in theirs], atol=1e-5)
+        assert [p["label"] for p in predictions] == [label for _, label in trained["test_rows"]]
+    as_text = {source: [{k: str(v) for k, v in p.items()} for p in predictions]
+               for source, predictions in outputs.items()}
+    assert as_text["export"] == as_text["run"]  # the same file, CSV and JSON Lines
+    run_file = read_predictions(trained["run"] / "predictions.csv")
+    assert [p["predicted"] for p in run_file] == [p["predicted"] for p in outputs["run"]]
+
+
+def test_unlabelled_texts_are_predicted_without_a_label_column(trained, capsys):
+    data = trained["root"] / "new.jsonl"
+    data.write_text("".join(json.dumps({"review": text, "id": i}) + "\n" for i, (text, _) in enumerate(rows(5))))
+    out = trained["root"] / "new-predictions.jsonl"
+    assert predict(["--model", str(trained["export"]), "--data", str(data), "--out", str(out),
+                    "--text-column", "review", "--amp", "bfloat16"]) == 0
+    predictions = read_predictions(out)
+    assert [list(p)[:3] for p in predictions] == [["row", "text", "predicted"]] * 5
+    assert "evaluation" not in capsys.readouterr().out
+
+
+def bad_cases(t):
+    """(flags, the message's part) for bad input; `t` is the trained fixture."""
+    return {
+        "missing file": (["--data", str(t["root"] / "nope.csv")], "no such file"),
+        "unknown column": (["--text-column", "body"], "has no column 'body'"),
+        "unknown label column": (["--label-column", "gold"], "has no column 'gold'"),
+        "neither folder": (["--model", str(t["root"])], "is neither an export folder"),
+        "existing output": (["--out", str(t["root"] / "taken.csv")], "exists; pass --overwrite"),
+        "output type": (["--out", str(t["root"] / "p.txt")], "unknown output type .txt"),
+        "run without checkpoint": (["--model", str(t["root"] / "empty-run"), "--checkpoint", "last"],
+                                   "without checkpoints/last.pt"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing file", "unknown column", "unknown label column", "neither folder",
+                                  "existing output", "output type", "run without checkpoint"])
+def test_bad_input_is_one_line_and_writes_nothing(trained, capsys, case):
+    (trained["root"] / "taken.csv").write_text("kept\n")
+    (trained["root"] / "empty-run" / "checkpoints").mkdir(parents=True, exist_ok=True)
+    extra, message = bad_cases(trained)[case]
+    args = {"--model": str(trained["run"]), "--data": str(trained["test_csv"]), "--out": str(trained["root"] / "o.csv")}
+    for flag, value in zip(extra[::2], extra[1::2]):
+        args[flag] = value
+    assert predict([item for pair in args.items() for item in pair]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (trained["root"] / "o.csv").exists() and (trained["root"] / "taken.csv").read_text() == "kept\n"
