@@ -112,7 +112,7 @@ def test_the_grad_scaler_skips_are_seen_on_the_device():
     strategy.setup(torch.nn.Linear(2, 1))
     seen = []
     for bad in (True, True, False, False, True):
-        with strategy.autocast():
+        with strategy.precision.autocast():
             loss = strategy.model(torch.ones(1, 2)).sum() * (float("nan") if bad else 1.0)
         strategy.backward(loss)
         strategy.optimizer_step()

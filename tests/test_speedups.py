@@ -62,7 +62,7 @@ def make_batch(batch_size: int = 4, length: int = 24, seed: int = 0) -> dict:
 
 
 def forward_logits(strategy, batch) -> torch.Tensor:
-    with strategy.autocast():
+    with strategy.precision.autocast():
         return classify(strategy.model, batch, max_length=512)
 
 

@@ -50,7 +50,7 @@ def make_eval_sums(strategy, max_length: int, class_weights: torch.Tensor | None
     """
 
     def eval_sums(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        with strategy.autocast():
+        with strategy.precision.autocast():
             logits = classify(model, batch, max_length)
         weight = batch["weight"].double()
         labels = batch["labels"]

@@ -54,7 +54,7 @@ def make_forward_loss(strategy, max_length: int, class_weights: torch.Tensor | N
     """
 
     def forward_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        with strategy.autocast():  # mixed precision: matmuls and attention in 16 bits (speedups/amp.py)
+        with strategy.precision.autocast():  # mixed precision: matmuls and attention in 16 bits (speedups/amp.py)
             logits = classify(model, batch, max_length)
         loss = F.cross_entropy(logits.float(), batch["labels"], weight=class_weights)
         return loss, metric_sums(loss, logits, batch["labels"])

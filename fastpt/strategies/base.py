@@ -4,7 +4,7 @@ The training step (`step.train_step`) never asks which strategy it runs. It call
 textbook order:
 
     with strategy.grad_sync(enabled=last_micro_batch):   # DDP / FSDP: reduce gradients only on the last
-        loss = forward_loss(strategy.model, batch)        # forward under strategy.autocast(), the loss
+        loss = forward_loss(strategy.model, batch)        # forward under strategy.precision.autocast(), the loss
         strategy.backward(loss / micro_batches)           # grad_scaler.scale(loss).backward()
     strategy.optimizer_step()                             # unscale_, clip, step, update, zero_grad
 
@@ -97,9 +97,6 @@ class Strategy:
         if self.cfg.compile and self.cfg.varying_lengths:
             mark_token_dim_dynamic(moved)  # one compiled graph for every length
         return moved
-
-    def autocast(self):
-        return self.precision.autocast()
 
     def grad_sync(self, enabled: bool):
         """Whether this backward reduces gradients across processes (DDP, FSDP); nothing to do here."""

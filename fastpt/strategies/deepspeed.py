@@ -62,6 +62,7 @@ import torch
 from fastpt.machinery.config import TrainConfig
 from fastpt.machinery import distributed
 from fastpt.machinery.errors import CheckpointError
+from fastpt.speedups.amp import MixedPrecision
 from fastpt.strategies.base import Strategy, local_bytes
 from fastpt.strategies.optimizer import build_lr_scheduler, has_schedule
 
@@ -252,6 +253,12 @@ def check_resume(training: dict, ckpt_dir: Path) -> None:
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
 
+    def __init__(self, cfg: TrainConfig, dist):
+        super().__init__(cfg, dist)
+        # No autocast and no GradScaler: the engine casts the model itself (its fp16 / bf16 config)
+        # and scales the float16 loss inside its backward.
+        self.precision = MixedPrecision(False, cfg.amp_dtype, dist.device)
+
     def setup(self, model: torch.nn.Module, training_steps: int | None = None) -> None:
         """Build the engine: it moves the model to the device, casts it (--amp), wraps the optimiser and
         steps the schedule (after every step without an fp16 overflow) and saves it with its checkpoints."""
@@ -282,10 +289,6 @@ class DeepSpeedStrategy(Strategy):
         self._skipped_before = self.model.skipped_steps  # step_was_skipped compares with it
 
     # ------------------------------------------------------------------ the step
-    def autocast(self):
-        """Nothing: with fp16/bf16 enabled, the engine has already cast the model."""
-        return contextlib.nullcontext()
-
     def compile_step(self, fn):
         return fn  # refused in the config: the engine wraps the model itself
 
