@@ -19,6 +19,8 @@ Read these, the lessons:
         backends.py        TF32, deterministic kernels, the compile cache
     strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first)
         optimizer.py       Adam or AdamW (Trainer's no-decay groups), the learning-rate schedule and warmup
+        deepspeed.py       the ZeRO engine; deepspeed_config.py its JSON from the flags,
+                           deepspeed_checkpoint.py its checkpoint files loaded safely
     inputs/      what the run trains on
         data.py            samplers, collators and DataLoaders (workers, pinned memory)
         device_data.py     the tokenised data kept on the device, batches gathered there

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from fastpt.machinery.config import TrainConfig
-from fastpt.strategies.deepspeed import deepspeed_config
+from fastpt.strategies.deepspeed_config import deepspeed_config
 
 
 pytest.importorskip("deepspeed")

@@ -22,6 +22,7 @@ from fastpt.cli.shell import EXIT_BAD_INPUT  # noqa: E402
 from fastpt.machinery.config import TrainConfig  # noqa: E402
 from fastpt.machinery.errors import CheckpointError  # noqa: E402
 from fastpt.strategies import deepspeed as fastpt_deepspeed  # noqa: E402
+from fastpt.strategies import deepspeed_checkpoint, deepspeed_config  # noqa: E402
 from train import main  # noqa: E402
 
 
@@ -107,10 +108,10 @@ def test_deepspeeds_own_loads_are_weights_only(run, tmp_path):
     marker, crafted = tmp_path / "MARKER", tmp_path / "crafted.pt"
     torch.save({"loss_scaler": Planted(marker)}, crafted)
     genuine = next((run / "checkpoints" / "deepspeed" / the_tag(run)).glob("*optim_states.pt"))
-    with fastpt_deepspeed.weights_only_loads(genuine.parent):
+    with deepspeed_checkpoint.weights_only_loads(genuine.parent):
         assert "loss_scaler" in TorchCheckpointEngine().load(str(genuine))["optimizer_state_dict"]
     with pytest.raises(CheckpointError, match="it would import posix.system"):
-        with fastpt_deepspeed.weights_only_loads(crafted):
+        with deepspeed_checkpoint.weights_only_loads(crafted):
             TorchCheckpointEngine().load(str(crafted))
     assert not marker.exists()
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # restored for the rest of the process
@@ -124,7 +125,7 @@ def test_the_float16_loss_scaler_loads_through_the_guard(tmp_path):
     scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2,
                                consecutive_hysteresis=False, dtype=torch.float16)
     torch.save({"loss_scaler": scaler, "zero_stage": ZeroStageEnum.gradients}, tmp_path / "shard.pt")
-    with fastpt_deepspeed.weights_only_loads(tmp_path):
+    with deepspeed_checkpoint.weights_only_loads(tmp_path):
         loaded = torch.load(tmp_path / "shard.pt", weights_only=False)  # as DeepSpeed calls it
     assert vars(loaded["loss_scaler"]) == vars(scaler) and loaded["zero_stage"] is ZeroStageEnum.gradients
 
@@ -135,11 +136,11 @@ def test_files_in_torchs_older_format_are_checked_too(tmp_path):
     folder.mkdir(parents=True)
     torch.save({"module": {"w": torch.ones(2)}}, folder / "mp_rank_00_model_states.pt",
                _use_new_zipfile_serialization=False)
-    fastpt_deepspeed.check_resume({"deepspeed_tag": "global_step1"}, tmp_path / "checkpoints")
+    deepspeed_checkpoint.check_resume({"deepspeed_tag": "global_step1"}, tmp_path / "checkpoints")
     marker = tmp_path / "MARKER"
     torch.save({"module": Planted(marker)}, folder / "mp_rank_00_model_states.pt", _use_new_zipfile_serialization=False)
     with pytest.raises(CheckpointError, match="it would import posix.system"):
-        fastpt_deepspeed.check_resume({"deepspeed_tag": "global_step1"}, tmp_path / "checkpoints")
+        deepspeed_checkpoint.check_resume({"deepspeed_tag": "global_step1"}, tmp_path / "checkpoints")
     assert not marker.exists()
 
 
@@ -225,10 +226,10 @@ def test_float16_is_refused_exactly_when_the_accelerator_lacks_it(fp16, monkeypa
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Accelerator(fp16))
     cfg = TrainConfig(strategy="deepspeed", amp=True, amp_dtype="float16")
     if fp16:
-        fastpt_deepspeed.check_supported(cfg, torch.device("cpu"))  # accepted: no refusal
+        deepspeed_config.check_supported(cfg, torch.device("cpu"))  # accepted: no refusal
     else:
         with pytest.raises(ValueError, match="DeepSpeed has no float16 on this device"):
-            fastpt_deepspeed.check_supported(cfg, torch.device("cpu"))
+            deepspeed_config.check_supported(cfg, torch.device("cpu"))
 
 
 def test_float16_trains_where_the_cpu_has_it(tiny_args, tmp_path):

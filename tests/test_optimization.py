@@ -262,7 +262,7 @@ def test_deepspeed_steps_and_resumes_the_schedule_bitwise(imdb_dir, cache_dir, t
 
 
 def test_a_deepspeed_json_with_its_own_optimizer_or_scheduler_refuses_ours(tmp_path):
-    from fastpt.strategies.deepspeed import deepspeed_config
+    from fastpt.strategies.deepspeed_config import deepspeed_config
 
     def config(section: str, **flags) -> dict:
         path = tmp_path / f"{section}.json"

@@ -400,7 +400,7 @@ def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path
     _compare_settings(cfg, {**state["config"], "world_size": state.get("world_size")}, world_size,
                       f"cannot resume from {path}", batch_size_flag=resize.batch_size_flag(state))
     if cfg.strategy == "deepspeed":  # last.pt names a folder of DeepSpeed pickles: checked before any work
-        from fastpt.strategies.deepspeed import check_resume
+        from fastpt.strategies.deepspeed_checkpoint import check_resume
         check_resume(state["training"], path.parent)
 
 

@@ -83,7 +83,7 @@ def check_device_support(cfg: TrainConfig, dist) -> None:
         from fastpt.speedups.amp import check_dtype_supported
         check_dtype_supported(cfg.amp_dtype, dist.device)
     if cfg.strategy == "deepspeed":
-        from fastpt.strategies.deepspeed import check_supported, deepspeed_config
+        from fastpt.strategies.deepspeed_config import check_supported, deepspeed_config
         check_supported(cfg, dist.device)
         deepspeed_config(cfg, dist.world_size)  # reads and checks --deepspeed-config
 

@@ -38,7 +38,8 @@ universal checkpoint (`load_training_state`, ZeRO-1/2). `best.pt` holds the cons
 weights under their plain names, so it loads into a model without DeepSpeed. DeepSpeed reads its
 files with a full unpickler (`torch.load(weights_only=False)`), which runs whatever a crafted file
 asks; fastpt makes every one of those loads `weights_only=True`, admitting only the few DeepSpeed
-classes its checkpoints hold (`trusted_classes`), and takes last.pt's tag only as `global_stepN`.
+classes its checkpoints hold (`trusted_classes`), and takes last.pt's tag only as `global_stepN`
+(deepspeed_checkpoint.py). The config and its checks are in deepspeed_config.py.
 """
 
 from __future__ import annotations
@@ -47,14 +48,10 @@ import argparse
 import contextlib
 import functools
 import io
-import json
 import logging
 import os
-import pickle
-import re
 import shutil
 import warnings
-import zipfile
 from pathlib import Path
 
 import torch
@@ -64,12 +61,9 @@ from fastpt.machinery import distributed
 from fastpt.machinery.errors import CheckpointError
 from fastpt.speedups.amp import MixedPrecision
 from fastpt.strategies.base import Strategy, local_bytes
+from fastpt.strategies.deepspeed_checkpoint import checked_tag, weights_only_loads, written_by
+from fastpt.strategies.deepspeed_config import deepspeed_config
 from fastpt.strategies.optimizer import build_lr_scheduler, has_schedule
-
-
-def _written_by(tag_folder: Path) -> int:
-    """How many data-parallel processes wrote a ZeRO checkpoint: one optimiser-state file each."""
-    return len(list(tag_folder.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
 
 
 @contextlib.contextmanager
@@ -78,176 +72,6 @@ def _silenced():
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         yield
-
-
-# The ZeRO section of Lightning's DeepSpeedStrategy (lightning/pytorch/strategies/deepspeed.py, its
-# __init__ defaults through _create_default_config), the same for every stage. DeepSpeed's own
-# defaults differ: overlap_comm only for stage 3, 5e8-element buckets, 1e9-element sub-groups.
-LIGHTNING_ZERO = {
-    "contiguous_gradients": True,  # copy gradients into one buffer as they are reduced: no fragmentation
-    "overlap_comm": True,  # reduce a full bucket while the backward computes the next gradients
-    "allgather_partitions": True,  # the updated slices return to every rank by all-gather
-    "reduce_scatter": True,  # each rank receives only its slice of the reduced gradients
-    "allgather_bucket_size": 200_000_000,  # elements per collective
-    "reduce_bucket_size": 200_000_000,
-    "sub_group_size": 1_000_000_000_000,  # stage 3: the optimiser steps over its slice in groups this large
-}
-
-
-def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict:
-    """The DeepSpeed JSON fastpt's flags stand for, or the user's --deepspeed-config checked against them."""
-    generated = {
-        "train_micro_batch_size_per_gpu": cfg.batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "train_batch_size": cfg.batch_size * cfg.grad_accum * world_size,
-        "zero_optimization": {"stage": cfg.zero_stage, **LIGHTNING_ZERO},
-        "gradient_clipping": cfg.max_grad_norm or 0.0,
-        "fp16": {"enabled": cfg.amp and cfg.amp_dtype == "float16"},  # dynamic loss scaling by default
-        "bf16": {"enabled": cfg.amp and cfg.amp_dtype == "bfloat16"},
-        "steps_per_print": 10**9,  # fastpt logs; keep the engine quiet
-    }
-    if cfg.deepspeed_config is None:
-        return generated
-    try:
-        user = json.loads(Path(cfg.deepspeed_config).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--deepspeed-config {cfg.deepspeed_config}: {e}") from None
-    if not isinstance(user, dict):
-        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(user), "a number")
-        raise ValueError(f"--deepspeed-config {cfg.deepspeed_config} holds {kind}, not a JSON object of "
-                         f"DeepSpeed settings ({{\"zero_optimization\": ...}})")
-    _check_user_config(user, generated)
-    _check_user_optimizer(user, cfg)
-    fixed = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "steps_per_print")
-    return {**{k: generated[k] for k in fixed}, **user}
-
-
-def check_supported(cfg: TrainConfig, device: torch.device) -> None:
-    """Point DeepSpeed at the run's device, and refuse before any work a precision it has no kernels for.
-
-    DeepSpeed guesses its accelerator (and warns when it settles for the CPU); naming it keeps the
-    guess from disagreeing with --device. Its CPU accelerator has bfloat16, and float16 only where
-    oneDNN has float16 kernels (AVX512-FP16 or AVX-NE-CONVERT): without this check the engine fails
-    inside deepspeed.initialize, on every rank, after the run folder exists.
-    """
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
-    if not cfg.amp:
-        return
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    supported = (accelerator.is_fp16_supported() if cfg.amp_dtype == "float16"
-                 else accelerator.is_bf16_supported())
-    if not supported:
-        other = "bfloat16" if cfg.amp_dtype == "float16" else "float16"
-        raise ValueError(f"--deepspeed --amp: DeepSpeed has no {cfg.amp_dtype} on this device "
-                         f"({accelerator.device_name()}); use --amp-dtype {other} or drop --amp")
-
-
-def _check_user_config(user: dict, generated: dict) -> None:
-    """Refuse a JSON that contradicts the flags: the data loader, the loop and the NaN check use them."""
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        if key in user and user[key] not in ("auto", generated[key]):
-            raise ValueError(f"--deepspeed-config sets {key}={user[key]}, but the flags give {generated[key]} "
-                             f"(--batch-size, --grad-accum, number of processes)")
-    for dtype in ("fp16", "bf16"):
-        wanted = generated[dtype]["enabled"]
-        if bool(user.get(dtype, {}).get("enabled", False)) != wanted:
-            raise ValueError(f"--deepspeed-config {'enables' if not wanted else 'does not enable'} {dtype}, "
-                             f"but --amp/--amp-dtype say the opposite")
-
-
-def _check_user_optimizer(user: dict, cfg: TrainConfig) -> None:
-    """A JSON that names DeepSpeed's own optimiser or scheduler replaces fastpt's: their flags would do nothing."""
-    if "optimizer" in user and (cfg.optimizer != "adam" or cfg.weight_decay):
-        raise ValueError("--deepspeed-config names its own optimizer; drop --optimizer / --weight-decay, or the "
-                         "JSON's \"optimizer\" section")
-    if "scheduler" in user and has_schedule(cfg):
-        raise ValueError("--deepspeed-config names its own scheduler; drop --lr-schedule / --warmup-ratio / "
-                         "--warmup-steps, or the JSON's \"scheduler\" section")
-
-
-# ---------------------------------------------------------------------------- loading its files safely
-
-def trusted_classes() -> list:
-    """The classes DeepSpeed pickles into its checkpoints, beyond tensors and plain containers.
-
-    Found by saving ZeRO-1, 2 and 3 checkpoints in float32 and bfloat16 and listing what
-    `torch.serialization.get_unsafe_globals_in_checkpoint` reports: the optimiser shards hold the
-    loss scaler object (DynamicLossScaler with float16), the ZeRO stage as an enum and, for stages
-    1-2, each parameter's place in the flat partition. The engine's model-states file holds none.
-    """
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def _names(classes: list) -> str:
-    return ", ".join(c.__name__ for c in classes)
-
-
-def _refused(path: Path, error: Exception) -> CheckpointError:
-    """The restricted unpickler's error as one line: which file, and what it would have imported."""
-    culprit = re.search(r"GLOBAL (\S+)|module (\S+) is blocked", str(error))
-    what = f"it would import {culprit.group(1) or culprit.group(2)}" if culprit else "it holds more than plain data"
-    return CheckpointError(f"refused to load {path}: {what}, an object fastpt does not trust (DeepSpeed checkpoints "
-                           f"load only tensors, plain data and DeepSpeed's {_names(trusted_classes())})")
-
-
-@contextlib.contextmanager
-def weights_only_loads(folder: Path):
-    """Every torch.load inside, DeepSpeed's included, made with weights_only=True and `trusted_classes`.
-
-    DeepSpeed passes weights_only=False itself (TorchCheckpointEngine.load, ds_to_universal, the
-    universal loader). TORCH_FORCE_WEIGHTS_ONLY_LOAD is torch's switch that overrides the argument
-    at every call; it is read per call, so setting it for the duration is enough.
-    """
-    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        with torch.serialization.safe_globals(trusted_classes()):
-            yield
-    except pickle.UnpicklingError as e:
-        raise _refused(folder, e) from None
-    finally:
-        if previous is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
-
-
-def checked_tag(training: dict, ckpt_dir: Path) -> str:
-    """last.pt's DeepSpeed tag, accepted only as the name fastpt writes: a folder global_stepN in checkpoints/deepspeed.
-
-    The tag becomes a path that DeepSpeed reads; a tag such as "../../elsewhere" would load files
-    from outside the run folder.
-    """
-    tag, folder = training.get("deepspeed_tag"), ckpt_dir / "deepspeed"
-    if not (isinstance(tag, str) and re.fullmatch(r"global_step\d+", tag)
-            and (folder / tag).resolve().parent == folder.resolve()):
-        raise CheckpointError(f"{ckpt_dir / 'last.pt'} names the DeepSpeed checkpoint {tag!r}, not a folder "
-                              f"global_stepN in {folder}; refusing to load it")
-    return tag
-
-
-def check_resume(training: dict, ckpt_dir: Path) -> None:
-    """Before any work: the tag, and every DeepSpeed file this process sees loads with weights_only.
-
-    Memory-mapped, so the tensors are not read (but for files written with DeepSpeed's
-    "checkpoint_serialization": false, torch's older format); the load itself
-    (`load_training_state`) checks again on every rank, also the files only other nodes see.
-    """
-    folder = ckpt_dir / "deepspeed"
-    tag = checked_tag(training, ckpt_dir)
-    for path in sorted([*(folder / tag).rglob("*.pt"), *(folder / f"{tag}-universal").rglob("*.pt")]):
-        with weights_only_loads(path):
-            try:
-                torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-            except (RuntimeError, EOFError, OSError, ValueError) as e:
-                raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {e} "
-                                      f"(corrupt or incomplete?)") from None
 
 
 class DeepSpeedStrategy(Strategy):
@@ -385,7 +209,7 @@ class DeepSpeedStrategy(Strategy):
             raise CheckpointError(f"DeepSpeed checkpoint {folder / tag} is missing or incomplete on rank(s) "
                                   f"{', '.join(map(str, unseen))}: --deepspeed resumes from every rank's shard, so "
                                   f"every node must see the same --out (a shared file system)")
-        universal = state.get("world_size", _written_by(folder / tag)) != self.dist.world_size
+        universal = state.get("world_size", written_by(folder / tag)) != self.dist.world_size
         with weights_only_loads(folder / tag):
             load_tag = self._to_universal(folder, tag) if universal else tag
             self.model._config.load_universal_checkpoint = universal  # read by load_checkpoint only
