@@ -420,6 +420,7 @@ def test_columns_named_per_file_sst2_style(own_args, tmp_path, capsys):
     assert len(splits["train"]) == 60
     # A run on them: predictions.csv gives each test row its own file's text and label.
     assert main(own_args(train, "--text-column", "sentence,content", *files, out=out)) == 0
+    capsys.readouterr()
     with open(out / "predictions.csv", newline="") as f:
         predicted = list(csv.DictReader(f))
     assert [(p["row"], p["text"], p["label"]) for p in predicted] == [
