@@ -207,9 +207,7 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
                                peak["flops_per_s"], peak_info=peak)
     stopper = GracefulStop(warning_signal=signal.Signals[f"SIG{cfg.requeue_signal}"],  # slurm.py
                            timeout_s=cfg.dist_timeout)  # a hung rank stops the others at the first step's check
-    bookkeeping = Bookkeeping(cfg, dist, out_dir, tracker, meter, stopper, strategy.skips_nonfinite_steps,
-                              lr=lambda: strategy.step_lr, resume=resume_state,
-                              step_was_skipped=strategy.step_was_skipped)
+    bookkeeping = Bookkeeping(cfg, dist, out_dir, tracker, meter, stopper, strategy, resume=resume_state)
     record = RunRecord(BestTracker(cfg.monitor_mode),
                        EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta),
                        epoch_offset=resume_state["progress"].get("epoch_offset", 0) if resume_state else 0,

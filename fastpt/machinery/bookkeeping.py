@@ -29,7 +29,7 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -60,12 +60,14 @@ class Due:
 
 
 class Bookkeeping:
-    def __init__(self, cfg, dist, out_dir, tracker, meter: metrics.Throughput, stopper,
-                 skips_nonfinite_steps: bool, lr: Callable[[], float], resume: Optional[dict] = None,
-                 step_was_skipped: Optional[Callable[[], torch.Tensor]] = None):
+    def __init__(self, cfg, dist, out_dir, tracker, meter: metrics.Throughput, stopper, strategy,
+                 resume: Optional[dict] = None):
+        """`strategy` is read, never driven: the learning rate each step trained with (`step_lr`), and
+        under float16 whether its scaler skipped the step (`skips_nonfinite_steps`, `step_was_skipped()`)."""
         self.cfg, self.dist, self.device, self.out_dir = cfg, dist, dist.device, out_dir
         self.tracker, self.meter, self.stopper = tracker, meter, stopper
-        self.skips_nonfinite_steps, self.lr = skips_nonfinite_steps, lr
+        self.skips_nonfinite_steps = strategy.skips_nonfinite_steps
+        self.lr = lambda: strategy.step_lr
         self.compile_clock = metrics.CompileClock()
         self.token_shapes: set[int] = set()  # distinct batch widths / packed lengths: CUDA graphs record one each
         progress = resume["progress"] if resume else {}
@@ -77,7 +79,7 @@ class Bookkeeping:
         self.resumed_at_step = self.global_step if resume else None
         this_rank = resume["per_rank"][dist.rank] if resume else {}
         self.epoch_sums = self._on_device(this_rank.get("epoch_sums"))
-        self.step_was_skipped = step_was_skipped  # float16's scaler: did it skip the step just taken?
+        self.step_was_skipped = strategy.step_was_skipped  # float16's scaler: did it skip the step just taken?
         self.skipped_in_a_row = torch.zeros((), dtype=torch.long, device=self.device)
         window = this_rank.get("window")
         self.window_loss = self._on_device(window[0]) if window else None
