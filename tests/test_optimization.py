@@ -180,7 +180,7 @@ def test_a_float16_step_the_scaler_skipped_does_not_move_the_schedule():
     bad, rates = (True, False, True, False, False, False), []
     for nan in bad:
         rates.append(strategy.optimizer.param_groups[0]["lr"])
-        with strategy.autocast():
+        with strategy.precision.autocast():
             loss = strategy.model(torch.ones(1, 2)).sum() * (float("nan") if nan else 1.0)
         strategy.backward(loss)
         strategy.optimizer_step()
@@ -294,11 +294,9 @@ class Eager:
     """What make_forward_loss asks of a strategy: no autocast, and compile_step (here: none, or a cheap full graph)."""
 
     def __init__(self, compile_step=lambda fn: fn):
+        from fastpt.speedups.amp import MixedPrecision
         self.compile_step = compile_step
-
-    def autocast(self):
-        import contextlib
-        return contextlib.nullcontext()
+        self.precision = MixedPrecision(False, "bfloat16", torch.device("cpu"))
 
 
 def weighted_batch():
@@ -322,7 +320,7 @@ def test_weighted_loss_is_torchs_on_padded_and_packed_batches():
     torch.testing.assert_close(forward_loss(packed_model, packed)[0], expected, rtol=1e-5, atol=1e-6)
     # evaluation: the same weighted mean, from sums that add up over batches and ranks
     with torch.no_grad():
-        sums = make_eval_sums(Eager(), MAX_LENGTH, class_weights=weights)(model, padded)
+        sums, _, _ = make_eval_sums(Eager(), MAX_LENGTH, class_weights=weights)(model, padded)
     torch.testing.assert_close((sums[0] / sums[3]).float(), expected.detach())
     assert sums[2] == len(items)
 
@@ -353,7 +351,7 @@ def test_the_weighted_step_and_evaluation_compile_as_one_graph():
     torch.testing.assert_close(make_forward_loss(full_graph, MAX_LENGTH, class_weights=weights)(model, batch)[0],
                                expected)
     with torch.no_grad():
-        sums = make_eval_sums(full_graph, MAX_LENGTH, class_weights=weights)(model, batch)
+        sums, _, _ = make_eval_sums(full_graph, MAX_LENGTH, class_weights=weights)(model, batch)
     torch.testing.assert_close((sums[0] / sums[3]).float(), expected.detach())
 
 
