@@ -26,7 +26,9 @@ Read these, the lessons:
         device_data.py     the tokenised data kept on the device, batches gathered there
         token_cache.py     IMDB tokenised once, cached, loaded in a second
         imdb.py            the articles' exact 35k/5k/10k split
-        own_data.py        your own table (--data): read, checked, split, tokenised and cached the same way
+        own_data.py        your own table (--data): split, tokenised and cached the same way
+        tables.py          reading it: CSV, TSV, JSON Lines, Parquet, a saved dataset, the Hub
+        columns.py         its text, pair and label columns (per file), labels read by one rule
         models.py          the models and tokenizers, online or offline
 
 Skip these on a first read, the machinery a real run needs:

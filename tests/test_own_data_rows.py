@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fastpt.cli.args import build_parser
-from fastpt.inputs import own_data
+from fastpt.inputs import own_data, tables
 from fastpt.machinery.config import TrainConfig
 from test_own_data import rows, write_csv
 from train import main
@@ -54,7 +54,7 @@ def test_tsv_keeps_every_row_and_its_quotes(tmp_path):
     texts[8] = '"6" cable ' + texts[8]
     path = tmp_path / "a.tsv"
     path.write_text("text\tlabel\n" + "".join(f"{t}\t{y}\n" for t, (_, y) in zip(texts, data)))
-    table = own_data.read_file(path)
+    table = tables.read_file(path)
     assert table.columns["text"] == texts and table.lines == list(range(2, 62))
     assert table.notes == []
 
@@ -82,7 +82,7 @@ def test_csv_unclosed_quote_is_named_where_it_opens(own_args, tmp_path, capsys):
 def test_a_csv_text_longer_than_csv_s_default_limit_reads(tmp_path):
     long = "word " * 40_000  # 200 KB: csv's default field limit is 128 KiB
     path = write_csv(tmp_path / "a.csv", [(long, "good")] + rows(20))
-    assert own_data.read_file(path).columns["text"][0] == long
+    assert tables.read_file(path).columns["text"][0] == long
 
 
 # ---------------------------------------------------------------------------- column names
@@ -110,7 +110,7 @@ def test_unnamed_columns_stay_apart_and_are_named_by_position(own_args, tmp_path
     line = refused(own_args, tmp_path, capsys, path)
     assert line.endswith("its columns: 'label', 'masseges', (unnamed column 3), (unnamed column 4), "
                          "(unnamed column 5); say which with --text-column NAME"), line
-    table = own_data.read_file(path)
+    table = tables.read_file(path)
     assert table.columns["(unnamed column 3)"] == [f"x{i}" for i in range(30)]
     assert table.columns["(unnamed column 5)"] == [f"z{i}" for i in range(30)]
 

@@ -109,22 +109,23 @@ def load_trained(folder: Path, which: str | None):
 
 def read_texts(args, run: dict, names: list):
     """(table, columns, gold label ids or None) from --data, checked the way training checks its own data."""
-    from fastpt.inputs import own_data
+    from fastpt.inputs.columns import check_texts, read_labels, resolve_columns
+    from fastpt.inputs.tables import accepted_names, read_file
 
-    table = own_data.read_file(Path(args.data))
+    table = read_file(Path(args.data))
     label = args.label_column or run.get("label_column") or "label"
     columns = SimpleNamespace(text_column=args.text_column or run.get("text_column") or "text",
                               text_pair_column=args.text_pair_column or run.get("text_pair_column"),
                               label_column=label if args.label_column or any(
-                                  name in table.columns for name in own_data.accepted_names(label, table.columns))
+                                  name in table.columns for name in accepted_names(label, table.columns))
                               else None)
-    own_data.resolve_columns(table, columns, training=True)  # table.use: each flag's column in this file
-    own_data.check_texts(table, table.use["text"])
+    resolve_columns(table, columns, training=True)  # table.use: each flag's column in this file
+    check_texts(table, table.use["text"])
     if columns.text_pair_column:
-        own_data.check_texts(table, table.use["pair"])
+        check_texts(table, table.use["pair"])
     if columns.label_column is None:
         return table, columns, None
-    own_data.read_labels(table, table.use["label"])
+    read_labels(table, table.use["label"])
     index = {name: i for i, name in enumerate(names)}
     values = [str(table.label_names[v]) if table.label_names else str(v) for v in table.columns[table.use["label"]]]
     unknown = next((i for i, v in enumerate(values) if v not in index), None)

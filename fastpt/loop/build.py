@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fastpt.inputs import data, own_data
+from fastpt.inputs import columns, data, own_data
 from fastpt.inputs.models import check_max_length, check_model_source, count_parameters, load_model, load_tokenizer
 from fastpt.inputs.token_cache import cache_root, prepare_splits
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
@@ -85,7 +85,7 @@ def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
         cfg.label_names = list(IMDB_LABELS)
     else:  # --data: your own table (own_data.py)
         splits, cache_path, label_names, cfg.data_splits = own_data.prepare_own_splits(cfg, tokenizer, **shared)
-        label_names = cfg.label_names = own_data.named_labels(label_names, cfg.label_names)  # --label-names, if given
+        label_names = cfg.label_names = columns.named_labels(label_names, cfg.label_names)  # --label-names, if given
     seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
     model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation, label_names)
     check_model_fits(cfg, model, tokenizer)

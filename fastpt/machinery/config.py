@@ -268,7 +268,7 @@ class TrainConfig:
             raise ValueError("--data-dir is IMDB's folder; with --data, drop it")
         self.text_column = self.text_column or "text"
         self.label_column = self.label_column or "label"
-        # Each flag may list several names (one per file, own_data.resolve_columns); no name may serve two roles.
+        # Each flag may list several names (one per file, columns.resolve_columns); no name may serve two roles.
         names = [set(n.strip() for n in v.split(",")) | {v}
                  for v in (self.text_column, self.text_pair_column, self.label_column) if v is not None]
         if any(a & b for i, a in enumerate(names) for b in names[i + 1:]):
