@@ -33,6 +33,7 @@ from fastpt.cli.shell import EXIT_BAD_INPUT
 from fastpt.inputs.data import Collator
 from fastpt.loop.step import make_forward_loss
 from fastpt.speedups import packed_attention
+from fastpt.speedups.amp import MixedPrecision
 from fastpt.speedups.compile import mark_token_dim_dynamic
 from fastpt.speedups.packing import PackedClassifier, PackedCollator
 from train import main
@@ -153,9 +154,8 @@ class CpuStep:
     def __init__(self, dtype=None, compiled: bool = False):
         self.dtype, self.compiled = dtype, compiled
         self.counter = CompileCounterWithBackend("aot_eager")
-
-    def autocast(self):
-        return torch.autocast("cpu", dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+        dtype_name = str(dtype).removeprefix("torch.") if dtype else "bfloat16"
+        self.precision = MixedPrecision(dtype is not None, dtype_name, torch.device("cpu"))  # autocast, or none
 
     def compile_step(self, fn):
         return torch.compile(fn, backend=self.counter, fullgraph=True) if self.compiled else fn
