@@ -55,39 +55,72 @@ def _attend_each_review(query, key, value, cu_seqlens, scaling):
 # The loop is one custom operator, opaque to torch.compile: the compiler sees an op whose output
 # has the query's shape, not the host read and the data-dependent split inside it, so a graph
 # compiled with fullgraph=True keeps the per-review loop (one graph for every length) instead of
-# the mask kernel's T x T scores. Its backward runs the loop again through torch.func.vjp (a
-# second attention forward: a small share of a step next to the layers' matmuls).
+# the mask kernel's T x T scores.
+# Its backward needs each review's attention output and log-sum-exp. On a CPU the forward calls
+# the flash kernel itself (what SDPA dispatches to there) and keeps both: the output is the one
+# the next layer reads anyway, the log-sum-exp one float per token and head, and the backward
+# calls the flash backward per review with them, as SDPA's own autograd would. Elsewhere (CUDA
+# in float32, eager) the backward runs the loop again through torch.func.vjp: a second forward.
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _split(x: torch.Tensor, sizes: list) -> tuple:
+    return x.split(sizes, dim=2)
+
+
+def _flash_each_review(query, key, value, cu_seqlens, scaling):
+    """(output [1, T, H, d], log-sum-exp [1, H, T] float32): the CPU flash kernel on each review."""
+    edges = _segment_edges(cu_seqlens, query.shape[2])
+    sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+    outs, lses = zip(*(CPU_FLASH(q, k, v, 0.0, False, scale=scaling)
+                       for q, k, v in zip(*(_split(x, sizes) for x in (query, key, value)))))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), torch.cat(lses, dim=2)
+
+
 @torch.library.custom_op("fastpt::attend_each_review", mutates_args=())
 def attend_each_review(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                       scaling: float) -> torch.Tensor:
-    return _attend_each_review(query, key, value, cu_seqlens, scaling)
+                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [1, T, H, d], log-sum-exp for the backward: [1, H, T] on a CPU, empty elsewhere)."""
+    if query.device.type == "cpu":
+        return _flash_each_review(query, key, value, cu_seqlens, scaling)
+    return _attend_each_review(query, key, value, cu_seqlens, scaling), query.new_empty(0, dtype=torch.float32)
 
 
 @attend_each_review.register_fake
 def _(query, key, value, cu_seqlens, scaling):
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    lse_shape = (query.shape[0], query.shape[1], query.shape[2]) if query.device.type == "cpu" else (0,)
+    return (query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3]),
+            query.new_empty(lse_shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("fastpt::attend_each_review_backward", mutates_args=())
 def attend_each_review_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                cu_seqlens: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
+                                cu_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if lse.numel():  # the CPU: the flash backward per review, from the forward's output and log-sum-exp
+        edges = _segment_edges(cu_seqlens, query.shape[2])
+        sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+        parts = zip(*(_split(x, sizes) for x in (grad.transpose(1, 2), query, key, value, out.transpose(1, 2))),
+                    lse.split(sizes, dim=2))
+        grads = zip(*(CPU_FLASH_BACKWARD(g, q, k, v, o, m, 0.0, False, scale=scaling) for g, q, k, v, o, m in parts))
+        return tuple(torch.cat(g, dim=2).contiguous() for g in grads)
     # torch.func.vjp, not torch.autograd: autograd records nothing inside a custom operator.
     _, pullback = torch.func.vjp(lambda q, k, v: _attend_each_review(q, k, v, cu_seqlens, scaling), query, key, value)
     return tuple(g.contiguous() for g in pullback(grad))  # the strides the shape rule below promises
 
 
 @attend_each_review_backward.register_fake
-def _(grad, query, key, value, cu_seqlens, scaling):
+def _(grad, query, key, value, cu_seqlens, out, lse, scaling):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _save_inputs(ctx, inputs, output):
     query, key, value, cu_seqlens, ctx.scaling = inputs
-    ctx.save_for_backward(query, key, value, cu_seqlens)
+    ctx.save_for_backward(query, key, value, cu_seqlens, *output)
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grad, grad_lse):
     return *attend_each_review_backward(grad, *ctx.saved_tensors, ctx.scaling), None, None
 
 
@@ -96,7 +129,7 @@ attend_each_review.register_autograd(_backward, setup_context=_save_inputs)
 
 def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
     scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    return attend_each_review(query, key, value, cu_seqlens, scaling)
+    return attend_each_review(query, key, value, cu_seqlens, scaling)[0]
 
 
 def _mask_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
