@@ -49,8 +49,10 @@ Where it applies (`--compile-scope`, fixed in the strategies, see strategies/bas
   embeddings, the head, the loss and the metric sums run eagerly around them. The layers are
   instances of one class with parameters of one shape, and Dynamo passes a module's parameters
   to its graph as inputs (`inline_inbuilt_nn_modules`, on by default), so the first layer's graph
-  serves every layer: Dynamo traces and Inductor compiles one layer, not the stack. The layers
-  hold nearly all of a step's work, so the eager remainder costs little (see the cost below).
+  serves every layer: Dynamo traces and Inductor compiles one layer, not the stack, so the cold
+  compile no longer grows with depth (`scripts/compile_cache.py` times both scopes, cold and
+  warm). The layers hold nearly all of a step's work (matmuls, attention), so the eager remainder
+  (embeddings, head, loss) costs little; what is lost is fusion across layer boundaries.
 - `whole`: the largest unit the strategy allows. On one device the step's forward, loss and
   metric sums (`step.forward_loss`) are compiled as one function with `fullgraph=True`; under
   DDP the model is compiled and then wrapped, which lets DDP's optimizer split the graph at
