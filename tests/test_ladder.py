@@ -323,14 +323,15 @@ def test_early_stopping_stops_where_train_py_stops(imdb_dir, cache_dir, tmp_path
 
 @pytest.mark.slow  # two Inductor compiles (train, eval); the second run mostly hits Inductor's cache
 def test_compiled_script_prints_train_py_compile_losses(imdb_dir, cache_dir, tmp_path):
-    """Compiled dropout draws other random numbers than eager, so the reference is train.py --compile."""
+    """Compiled dropout draws other random numbers than eager, so the reference is train.py --compile, with the
+    script's compiled unit: the whole model (train.py's default compiles layer by layer, drawing other numbers)."""
     import torch._dynamo
     args = common_args(imdb_dir, cache_dir) + ["--epochs", "1", "--max-steps", "2", "--val-size", "8",
                                                "--test-size", "8"]
     torch._dynamo.reset()
     try:
         output = run_script(LADDER / "04_compile.py", args + FP32["04_compile.py"])
-        reference, results = train_py(args + ["--compile"], tmp_path / "train_py")
+        reference, results = train_py(args + ["--compile", "--compile-scope", "whole"], tmp_path / "train_py")
     finally:
         torch._dynamo.reset()
     assert_same_losses(printed_losses(output), reference)

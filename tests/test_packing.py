@@ -20,7 +20,7 @@ from transformers import AutoModelForSequenceClassification, BertConfig, DistilB
 
 from fastpt.inputs.data import Collator
 from fastpt.speedups import packed_attention
-from fastpt.speedups.compile import mark_token_dim_dynamic
+from fastpt.speedups.compile import compile_layers, mark_token_dim_dynamic
 from fastpt.speedups.packed_attention import apply_packed_attention, packed_attention_kernel
 from fastpt.speedups.packing import PackedClassifier, PackedCollator, is_packed, packed_logits, unwrap
 
@@ -222,6 +222,25 @@ def test_compiled_packed_matches_eager_with_one_graph_for_all_lengths(kind, kern
         if step < 3:  # the first graph, and two new lengths through it
             assert_same(got, logits_and_grads(lambda: packed_logits(eager, batch, MAX_LENGTH), eager))
     assert counter.frame_count == 1  # the token dimension was marked dynamic before the first call
+
+
+@pytest.mark.parametrize("kind", ["distilbert", "bert"])
+def test_layer_by_layer_compile_matches_eager_with_one_graph_for_every_layer_and_length(kind, monkeypatch):
+    # --compile-scope layers: each layer compiled in place, and Dynamo's one graph of the first layer
+    # serves the second (same class, parameters passed in as inputs) and every packed length.
+    torch._dynamo.reset()
+    eager = PackedClassifier(tiny_model(kind), "loop")
+    counter = CompileCounterWithBackend("aot_eager")
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda target, **options: compile(target, **{**options, "backend": counter}))
+    compiled = compile_layers(copy.deepcopy(eager), dynamic_tokens=True)
+    assert compiled.state_dict().keys() == eager.state_dict().keys()  # in place: no `_orig_mod.` anywhere
+    with torch._dynamo.config.patch(specialize_float=True):  # as a compiled run sets it (backends.py)
+        for step in range(4):
+            batch = PackedCollator(pad_id=0)(make_items(random_lengths(4, seed=step), seed=step))
+            assert_same(logits_and_grads(lambda: packed_logits(compiled, batch, MAX_LENGTH), compiled),
+                        logits_and_grads(lambda: packed_logits(eager, batch, MAX_LENGTH), eager))
+    assert counter.frame_count == 1
 
 
 def test_compiled_static_shapes_compile_once_per_rounded_size():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from fastpt.loop.step import classify, make_forward_loss
 from fastpt.machinery import metrics
 from fastpt.machinery.checkpoint import load_model_weights
 from fastpt.machinery.distributed import DistInfo
+from fastpt.speedups import backends
 from fastpt.strategies import build_strategy
 from fastpt.strategies.base import Strategy
 from train import main
@@ -133,10 +135,22 @@ def test_clipping_sees_the_unscaled_gradients(monkeypatch):
 # --------------------------------------------------------------------------- torch.compile
 
 @pytest.mark.slow  # two Inductor compiles (train, eval): ~40 s on an idle 2-core CPU, minutes when loaded
-def test_compiled_step_matches_eager_for_every_bucketed_length_and_checkpoints_interchange():
+@pytest.mark.parametrize("scope", ["whole", "layers"])
+def test_compiled_step_matches_eager_for_every_bucketed_length_and_checkpoints_interchange(scope, tmp_path):
     torch._dynamo.reset()
-    strategy, eager = tiny_strategy(n_layers=1, compile=True, bucket=True)  # bucket: dynamic padding
-    assert strategy.model is strategy.module  # one device: the step function is compiled, not the model
+    settings = dict(compile=True, compile_scope=scope, bucket=True)  # bucket: dynamic padding
+    backends.configure(SimpleNamespace(**settings, deterministic=False, tf32=False), CPU.device, tmp_path)
+    try:
+        # Layer by layer, two layers: the second runs the first one's graph.
+        check_compiled_step_matches_eager(*tiny_strategy(n_layers=2 if scope == "layers" else 1, **settings))
+    finally:
+        backends.restore(SimpleNamespace(**settings, deterministic=False))
+
+
+def check_compiled_step_matches_eager(strategy, eager):
+    # One device: the step function (whole) or each layer in place (layers) is compiled; the model stays itself.
+    assert strategy.model is strategy.module
+    graphs = metrics.compiled_graph_count()
     forward_loss = make_forward_loss(strategy, max_length=512)
     strategy.train(False)  # no dropout: eager and compiled draw different random masks
     eager.eval()
@@ -166,6 +180,7 @@ def test_compiled_step_matches_eager_for_every_bucketed_length_and_checkpoints_i
         losses = [F.cross_entropy(eager(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
                                   b["labels"], reduction="sum") for b in batches]
     assert compiled_eval["n"] == 8
+    assert metrics.compiled_graph_count() - graphs == 2  # training and evaluation: one graph each, every length
     assert compiled_eval["loss"] == pytest.approx(float(sum(losses)) / 8, rel=1e-4)
 
     # Checkpoints carry no `_orig_mod.` prefix and move both ways between compiled and eager.

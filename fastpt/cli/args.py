@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile-mode", default=None, choices=CHOICES["compile_mode"],
                    help=f"with --compile (default: {d.compile_mode}); reduce-overhead and max-autotune "
                         "also record CUDA graphs")
+    g.add_argument("--compile-scope", default=None, choices=CHOICES["compile_scope"],
+                   help=f"with --compile (default: {d.compile_scope}): each transformer layer, compiled once for "
+                        "all (a short compile), or the whole step (one device) / model (DDP)")
     g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None,
                    help="one fused Adam kernel (default: on with CUDA)")
     g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="per-tensor Adam")

@@ -116,6 +116,8 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         "val_time_no_compile_s": record.val_time_s - record.val_compile_s,  # over epochs_run x val_examples reviews
         "first_step_s": bookkeeping.first_step_s,
         "compiled_graphs": bookkeeping.compile_clock.graphs if cfg.compile else None,
+        # Hits, misses and bypasses of the FX graph and AOTAutograd caches: did a warm cache serve this run?
+        "compile_cache": bookkeeping.compile_clock.cache if cfg.compile else None,
         # Distinct token widths (packed: lengths) this process trained on.
         "batch_shapes": len(bookkeeping.token_shapes),
         # Mean over the last epoch's steps of max / mean tokens per rank: every step waits for the fullest rank.

@@ -35,6 +35,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "amp_dtype": ("float16", "bfloat16"),
     "compile_mode": ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"),  # see compile.py
+    "compile_scope": ("layers", "whole"),  # see compile.py
     "attn_implementation": ("sdpa", "eager"),
     "strategy": ("single",) + STRATEGIES,
     "zero_stage": (1, 2, 3),
@@ -47,6 +48,7 @@ CHOICES = {
 NEEDS = {
     "amp_dtype": ("--amp", lambda c: c.get("amp")),
     "compile_mode": ("--compile", lambda c: c.get("compile")),
+    "compile_scope": ("--compile", lambda c: c.get("compile")),
     "bucket_multiplier": ("--bucket", lambda c: c.get("bucket")),
     "zero_stage": ("--deepspeed", lambda c: c.get("strategy") == "deepspeed"),
     "deepspeed_config": ("--deepspeed", lambda c: c.get("strategy") == "deepspeed"),
@@ -143,6 +145,7 @@ class TrainConfig:
     amp_dtype: str = "float16"
     compile: bool = False
     compile_mode: str = "default"
+    compile_scope: str = "layers"
     fused_adam: Optional[bool] = None
     tf32: bool = False
     attn_implementation: str = "sdpa"
@@ -219,6 +222,9 @@ class TrainConfig:
             raise ValueError("--deepspeed-config needs --deepspeed")
         if self.strategy == "deepspeed" and self.compile:
             raise ValueError("--compile is not supported with --deepspeed (DeepSpeed wraps the model itself)")
+        if self.strategy == "fsdp" and self.compile and self.compile_scope == "whole":
+            raise ValueError("--compile-scope whole is not supported with --fsdp: its hooks run between the layers, "
+                             "so each layer is compiled (--compile-scope layers)")
         if self.pack and self.bucket:
             raise ValueError("--pack leaves no padding for --bucket to remove; use one of them")
         if self.pack and self.attn_implementation != "sdpa":

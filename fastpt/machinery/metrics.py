@@ -191,6 +191,20 @@ def compiled_graph_count() -> int:
     return sys.modules["torch._dynamo.utils"].counters["stats"]["unique_graphs"]
 
 
+# torch's counters of its two on-disk compile caches: Inductor's FX graph cache (generated kernels,
+# one entry per forward or backward graph) and AOTAutograd's (the traced and partitioned
+# forward/backward pair, which then loads its graphs from the FX graph cache).
+CACHE_COUNTERS = {f"fxgraph_{event}": ("inductor", f"fxgraph_cache_{event}") for event in ("hit", "miss", "bypass")}
+CACHE_COUNTERS.update({f"autograd_{event}": ("aot_autograd", f"autograd_cache_{event}")
+                       for event in ("hit", "miss", "bypass")})
+
+
+def compile_cache_counts() -> dict:
+    """Hits, misses and bypasses of the compile caches in this process so far (all 0 before torch._dynamo)."""
+    counters = sys.modules["torch._dynamo.utils"].counters if "torch._dynamo.utils" in sys.modules else {}
+    return {name: counters[group][key] if group in counters else 0 for name, (group, key) in CACHE_COUNTERS.items()}
+
+
 class CompileClock:
     """Host time of the steps during which a new graph was compiled, read without synchronising.
 
@@ -202,6 +216,7 @@ class CompileClock:
     def __init__(self):
         self.seconds = 0.0
         self.start_count = self.count = compiled_graph_count()
+        self.start_cache = compile_cache_counts()
 
     def tick(self, since: float) -> None:
         now = compiled_graph_count()
@@ -212,3 +227,8 @@ class CompileClock:
     @property
     def graphs(self) -> int:
         return self.count - self.start_count
+
+    @property
+    def cache(self) -> dict:
+        """This run's compile-cache events: a warm cache shows hits and no misses (a bypass never caches)."""
+        return {name: n - self.start_cache[name] for name, n in compile_cache_counts().items()}

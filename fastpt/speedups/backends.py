@@ -1,5 +1,5 @@
 """Process-wide switches, set in one place before anything runs: TF32, deterministic algorithms,
-and where compiled kernels are cached.
+and where (and what) compiled kernels are cached.
 
 - `--tf32`: float32 matmuls on Ampere and newer GPUs run on tensor cores with a 10-bit
   mantissa (TF32): up to 8x the float32 rate, at about bfloat16-like input precision. Off by
@@ -21,6 +21,20 @@ and where compiled kernels are cached.
   but that function also writes its default, `/tmp/torchinductor_<user>`, into the variable, and
   importing `torch._dynamo` calls it: so by the time a run gets here the variable is set. Only a
   value other than torch's default counts as the user's choice (`compile_cache_dir`).
+- Autocast inside a compiled graph: `--compile-scope whole` compiles the step function, which
+  enters autocast itself, so Dynamo records `torch.amp._enter_autocast` / `_exit_autocast` in
+  the graph. torch 2.13's AOTAutograd cache refuses ("bypasses") any graph calling a private
+  function it does not list, so such a graph was traced and partitioned again on every run, warm
+  cache or not (pytorch/pytorch#191106, allowed upstream by later torch). Their effect is fixed by
+  their arguments (device, dtype, enabled), which are constants in the graph and so in its cache
+  key: fastpt lists them in `torch._inductor.config.unsafe_marked_cacheable_functions`, the knob
+  torch provides for this, while the run lasts. (Layer by layer, autocast is entered outside the
+  compiled regions and no graph holds these calls.)
+- Float attributes are constants: `torch._dynamo.config.specialize_float` is on while a compiled
+  run lasts. A layer compiled with `dynamic=True` (`--compile-scope layers` and FSDP where lengths
+  vary) would otherwise turn every float attribute of its modules (layer-norm eps, dropout p, the
+  attention scale) into a symbol, which Inductor cannot keep: it specialises them and restarts
+  Dynamo's analysis ("tensorify" restart), so each layer graph was traced twice, cold or warm.
 """
 
 from __future__ import annotations
@@ -40,6 +54,18 @@ def configure(cfg, device: torch.device, cache_root: Path) -> None:
     if cfg.compile:
         _before_run["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(cache_root)
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+
+        _before_run["specialize_float"] = dynamo_config.specialize_float
+        dynamo_config.specialize_float = True
+        _before_run["cacheable"] = dict(inductor_config.unsafe_marked_cacheable_functions)
+        inductor_config.unsafe_marked_cacheable_functions = {
+            **inductor_config.unsafe_marked_cacheable_functions, **{name: torch.__version__ for name in AUTOCAST_CALLS}}
+
+
+# Dynamo's names for entering and leaving an autocast region inside a graph (torch/_dynamo/variables/ctx_manager.py).
+AUTOCAST_CALLS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
 
 
 def compile_cache_dir(cache_root: Path) -> str:
@@ -59,6 +85,12 @@ _before_run: dict = {}  # the variable as the run found it, put back by restore(
 def restore(cfg) -> None:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(False)
+    if "cacheable" in _before_run:
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+
+        dynamo_config.specialize_float = _before_run.pop("specialize_float")
+        inductor_config.unsafe_marked_cacheable_functions = _before_run.pop("cacheable")
     if "TORCHINDUCTOR_CACHE_DIR" in _before_run:
         previous = _before_run.pop("TORCHINDUCTOR_CACHE_DIR")
         if previous is None:

@@ -43,15 +43,31 @@ What is captured is what Inductor compiled (below; on one device the forward, lo
 sums, and their backward); the input copy, gradient reduction under DDP/FSDP, GradScaler,
 clipping and the optimizer step run eagerly between the replays.
 
-Where it applies (fixed in the strategies, see strategies/base.py): on one device the step's
-forward, loss and metric sums (`step.forward_loss`) are compiled as one function with
-`fullgraph=True`, so any graph break is an error rather than a silent slowdown; AOTAutograd
-compiles their backward. The optimizer step (GradScaler, clipping, Adam) is not compiled: it
-runs eagerly (with --fused-adam, as Adam's fused kernel). Under DDP the model is compiled and
-then wrapped, which lets DDP's optimizer split the graph at gradient-bucket boundaries so
-communication overlaps the backward; under FSDP each transformer layer is compiled in place and
-then sharded (strategies/fsdp.py, torchtitan's order), so the all-gather / reduce-scatter hooks
-between layers never break a compiled graph.
+Where it applies (`--compile-scope`, fixed in the strategies, see strategies/base.py):
+- `layers` (the default; PyTorch's recipe "regional compilation"): each transformer layer is
+  compiled in place (`compile_layers`), with `fullgraph=True` so a graph break is an error; the
+  embeddings, the head, the loss and the metric sums run eagerly around them. The layers are
+  instances of one class with parameters of one shape, and Dynamo passes a module's parameters
+  to its graph as inputs (`inline_inbuilt_nn_modules`, on by default), so the first layer's graph
+  serves every layer: Dynamo traces and Inductor compiles one layer, not the stack, so the cold
+  compile no longer grows with depth (`scripts/compile_cache.py` times both scopes, cold and
+  warm). The layers hold nearly all of a step's work (matmuls, attention), so the eager remainder
+  (embeddings, head, loss) costs little; what is lost is fusion across layer boundaries.
+- `whole`: the largest unit the strategy allows. On one device the step's forward, loss and
+  metric sums (`step.forward_loss`) are compiled as one function with `fullgraph=True`; under
+  DDP the model is compiled and then wrapped, which lets DDP's optimizer split the graph at
+  gradient-bucket boundaries so communication overlaps the backward. It traces every layer
+  again, so the cold compile grows with depth.
+AOTAutograd compiles the backward of what is compiled. The optimizer step (GradScaler,
+clipping, Adam) is not compiled: it runs eagerly (with --fused-adam, as Adam's fused kernel).
+Under FSDP each transformer layer is compiled in place and then sharded (strategies/fsdp.py,
+torchtitan's order), whatever the scope: the all-gather / reduce-scatter hooks between layers
+must stay outside the compiled graphs, so `--compile-scope whole` is refused there.
+
+The cache: a second run with the same graphs finds them on disk (speedups/backends.py names the
+folder) and skips Inductor (the FX graph cache) and, if the graph qualifies, AOTAutograd's
+tracing and partitioning of the backward (the AOTAutograd cache); Dynamo still traces the Python
+code each run. results.json's `compile_cache` counts both caches' hits, misses and bypasses.
 The compiled function or module leaves the model's parameter names alone, so checkpoints
 (`strategy.module`, the plain model) never carry an `_orig_mod.` prefix.
 
@@ -80,6 +96,32 @@ def apply_compile(target, mode: str = "default", fullgraph: bool = False):
     symbolic from the first call.
     """
     return torch.compile(target, **compile_options(mode, fullgraph=fullgraph))
+
+
+def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks: DistilBERT's, BERT's (MiniLM), RoBERTa's encoder layers (also inside PackedClassifier)."""
+    if hasattr(model, "distilbert"):
+        return list(model.distilbert.transformer.layer)
+    if hasattr(model, "bert"):
+        return list(model.bert.encoder.layer)
+    encoder = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "encoder", None)
+    if hasattr(encoder, "layer"):  # RoBERTa and the other BERT-style encoders
+        return list(encoder.layer)
+    raise ValueError(f"fastpt does not know where the transformer layers of {type(model).__name__} are")
+
+
+def compile_layers(model: torch.nn.Module, mode: str = "default", dynamic_tokens: bool = False,
+                   fullgraph: bool = True) -> torch.nn.Module:
+    """Regional compilation: each transformer layer compiled in place (`Module.compile`); `model` is returned.
+
+    In place, so parameter names (and checkpoints) do not change. A layer's input is a hidden
+    state computed eagerly, not the input ids `mark_token_dim_dynamic` marks, so where lengths
+    vary (`dynamic_tokens`) the layers are compiled with dynamic shapes from the start: one graph
+    for every length instead of a static first graph and a recompile.
+    """
+    for layer in transformer_layers(model):
+        layer.compile(**compile_options(mode, dynamic=True if dynamic_tokens else None, fullgraph=fullgraph))
+    return model
 
 
 def mark_token_dim_dynamic(batch: dict) -> dict:

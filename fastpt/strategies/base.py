@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from fastpt.machinery.config import TrainConfig
 from fastpt.machinery.distributed import DistInfo
 from fastpt.speedups.amp import MixedPrecision
-from fastpt.speedups.compile import apply_compile, mark_token_dim_dynamic
+from fastpt.speedups.compile import apply_compile, compile_layers, mark_token_dim_dynamic
 from fastpt.strategies.optimizer import build_lr_scheduler, build_optimizer
 
 
@@ -51,8 +51,9 @@ class Strategy:
 
     # ------------------------------------------------------------------ setup
     def setup(self, model: torch.nn.Module, training_steps: int | None = None) -> None:
-        """The one order: to device -> wrap (DDP compiles, then wraps; FSDP compiles, then shards each layer)
-        -> optimizer -> learning-rate schedule (over `training_steps` optimiser steps).
+        """The one order: to device -> wrap (compile the layers in place; DDP compiles, then wraps; FSDP
+        compiles, then shards each layer) -> optimizer -> learning-rate schedule (over `training_steps`
+        optimiser steps).
 
         The optimizer is built last, from the parameters as they finally are (FSDP replaces
         them with sharded DTensors).
@@ -63,17 +64,24 @@ class Strategy:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg, training_steps)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Nothing on one device: `compile_step` compiles the whole step function instead."""
+        """One device: with `--compile-scope layers` each transformer layer is compiled in place; the
+        module itself is what the step calls."""
+        if self.compiles("layers"):
+            compile_layers(module, self.cfg.compile_mode, self.cfg.varying_lengths)
         return module
 
-    def compile_step(self, fn):
-        """`fn(model, batch)` compiled whole (`fullgraph=True`) with --compile; else fn itself.
+    def compiles(self, scope: str) -> bool:
+        return self.cfg.compile and self.cfg.compile_scope == scope
 
-        On one device the compiled unit is the step's forward, loss and metric sums, so a
-        reader reads exactly what runs. DDP and FSDP compile the model in `wrap` instead (their
-        communication hooks sit between the compiled regions) and leave `fn` eager.
+    def compile_step(self, fn):
+        """`fn(model, batch)` compiled whole (`fullgraph=True`) with `--compile --compile-scope whole`;
+        else fn itself.
+
+        On one device the whole compiled unit is the step's forward, loss and metric sums, so a
+        reader reads exactly what runs. DDP and FSDP compile the model or its layers in `wrap`
+        instead (their communication hooks sit between the compiled regions) and leave `fn` eager.
         """
-        if not self.cfg.compile:
+        if not self.compiles("whole"):
             return fn
         return apply_compile(fn, self.cfg.compile_mode, fullgraph=True)
 

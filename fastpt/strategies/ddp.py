@@ -23,7 +23,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fastpt.speedups.compile import apply_compile
+from fastpt.speedups.compile import apply_compile, compile_layers
 from fastpt.strategies.base import Strategy
 
 
@@ -31,11 +31,13 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        # Compile first, then wrap: DDP's graph-break optimizer (DDPOptimizer) splits the
-        # compiled graph at bucket boundaries so each bucket's all-reduce starts as soon as
-        # its gradients are ready.
-        if self.cfg.compile:
+        # Compile first, then wrap. The whole model: DDP's graph-break optimizer (DDPOptimizer)
+        # splits the compiled graph at bucket boundaries so each bucket's all-reduce starts as
+        # soon as its gradients are ready. The layers: DDP's hooks fire between compiled layers.
+        if self.compiles("whole"):
             module = apply_compile(module, self.cfg.compile_mode)
+        elif self.compiles("layers"):
+            compile_layers(module, self.cfg.compile_mode, self.cfg.varying_lengths)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=device_ids)
 

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from fastpt.speedups.compile import compile_options
+from fastpt.speedups.compile import compile_layers, transformer_layers
 from fastpt.strategies.base import Strategy
 
 
@@ -59,18 +59,6 @@ from fastpt.strategies.base import Strategy
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Every rank holds the full state read from the file; each keeps its own shard of it.
 SCATTER = StateDictOptions(full_state_dict=True)
-
-
-def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one: DistilBERT's or BERT's (MiniLM) encoder layers."""
-    if hasattr(model, "distilbert"):
-        return list(model.distilbert.transformer.layer)
-    if hasattr(model, "bert"):
-        return list(model.bert.encoder.layer)
-    encoder = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "encoder", None)
-    if hasattr(encoder, "layer"):  # RoBERTa and the other BERT-style encoders
-        return list(encoder.layer)
-    raise ValueError(f"--fsdp does not know where the transformer layers of {type(model).__name__} are")
 
 
 def apply_fsdp(model: torch.nn.Module, reshard_after_forward: bool = True,
@@ -85,9 +73,9 @@ def apply_fsdp(model: torch.nn.Module, reshard_after_forward: bool = True,
     (`dynamic_tokens`) each layer is compiled with dynamic shapes.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if compile_mode is not None:  # in place, before sharding; without fullgraph, as FSDP always compiled them
+        compile_layers(model, compile_mode, dynamic_tokens, fullgraph=False)
     for layer in transformer_layers(model):
-        if compile_mode is not None:
-            layer.compile(**compile_options(compile_mode, dynamic=True if dynamic_tokens else None))  # in place
         fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     # The root holds the embeddings and the classifier; FSDP keeps its weights gathered
     # between forward and backward, since backward needs them straight away.

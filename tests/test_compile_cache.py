@@ -1,0 +1,93 @@
+"""A warm compile cache serves a second run: what fastpt changes for that (speedups/backends.py), the counters
+results.json reports (`compile_cache`), and two real runs sharing one Inductor cache (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
+
+from fastpt.machinery import metrics
+from fastpt.speedups import backends
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def graph_of_a_step_entering_autocast():
+    """The Dynamo graph of a function that enters autocast itself, as `--compile-scope whole` compiles the step."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(x, weight):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (x @ weight).float().sum()
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=keep, fullgraph=True)(torch.randn(4, 4), torch.randn(4, 4))
+    return graphs[0]
+
+
+def test_a_step_entering_autocast_is_cacheable_while_a_compiled_run_lasts(tmp_path):
+    gm = graph_of_a_step_entering_autocast()
+    assert any(node.target is torch.amp.autocast_mode._enter_autocast for node in gm.graph.nodes)
+    with pytest.raises(BypassAOTAutogradCache, match="_enter_autocast"):  # torch 2.13 as it comes
+        check_cacheable(gm)
+    cfg = SimpleNamespace(compile=True, deterministic=False, tf32=False)
+    specialize_float = torch._dynamo.config.specialize_float
+    backends.configure(cfg, torch.device("cpu"), tmp_path)
+    try:
+        check_cacheable(gm)  # no bypass: AOTAutograd caches the graph
+        assert torch._dynamo.config.specialize_float  # floats as constants: no "tensorify" restart
+    finally:
+        backends.restore(cfg)
+    with pytest.raises(BypassAOTAutogradCache):  # the process as it was
+        check_cacheable(gm)
+    assert torch._dynamo.config.specialize_float == specialize_float
+
+
+def test_the_compile_clock_reports_this_runs_cache_events(monkeypatch):
+    monkeypatch.setitem(counters, "inductor", counters["inductor"].copy())
+    monkeypatch.setitem(counters, "aot_autograd", counters["aot_autograd"].copy())
+    counters["inductor"]["fxgraph_cache_hit"] += 5  # an earlier run in this process
+    clock = metrics.CompileClock()
+    counters["inductor"]["fxgraph_cache_hit"] += 2
+    counters["inductor"]["fxgraph_cache_miss"] += 1
+    counters["aot_autograd"]["autograd_cache_bypass"] += 1
+    assert clock.cache == {"fxgraph_hit": 2, "fxgraph_miss": 1, "fxgraph_bypass": 0,
+                           "autograd_hit": 0, "autograd_miss": 0, "autograd_bypass": 1}
+
+
+@pytest.mark.slow  # two runs that compile (the first cold): minutes on a loaded 2-core CPU
+def test_a_second_run_finds_every_graph_in_the_compile_cache(imdb_dir, cache_dir, tmp_path):
+    """Packed, bfloat16 autocast, layer by layer (the default scope): the warm run misses nothing."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    results = []
+    for name in ("cold", "warm"):
+        out = tmp_path / name
+        subprocess.run([sys.executable, "train.py", "--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir",
+                        str(cache_dir), "--max-length", "32", "--batch-size", "8", "--epochs", "1", "--max-steps",
+                        "2", "--val-size", "8", "--test-size", "8", "--pack", "--amp", "--amp-dtype", "bfloat16",
+                        "--compile", "--no-progress", "--no-tensorboard", "--out", str(out)],
+                       cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        results.append(json.loads((out / "results.json").read_text()))
+    cold, warm = (r["compile_cache"] for r in results)
+    assert cold["fxgraph_miss"] > 0 and cold["autograd_miss"] > 0 and cold["fxgraph_hit"] == 0
+    # Forward and backward of the training layer, the evaluation layer: all found, nothing bypassed.
+    assert warm["fxgraph_hit"] == cold["fxgraph_miss"] and warm["autograd_hit"] == cold["autograd_miss"]
+    assert warm["fxgraph_miss"] == warm["autograd_miss"] == warm["fxgraph_bypass"] == warm["autograd_bypass"] == 0
+    assert results[0]["compiled_graphs"] == results[1]["compiled_graphs"] == 2  # train and eval: one layer graph each
+    # the cached graphs compute what the compiled ones did
+    assert results[1]["test_loss"] == pytest.approx(results[0]["test_loss"], rel=1e-5)
