@@ -176,6 +176,7 @@ def summarise(jobs: list, batch_size: int) -> dict:
                            if any(j.results for j in group) else None),
                 "samples_per_s": sps,
                 "step_ms": 1000 * batch_size * procs / sps if sps else None,
+                "mfu": median_of(group, "mfu"),
                 "test_acc": median_of(group, "test_acc"),
                 "test_examples": median_of(group, "test_examples"),
             }
@@ -191,15 +192,15 @@ def config_table(key: str, rows: dict) -> list:
     bare = rows.get("bare", {})
     lines = [f"### {key}", "",
              "| framework | train time (s) | runs | time / fastpt | samples/s | fastpt speed / this | "
-             "ms per step | overhead vs bare loop (ms/step) | test acc | process wall (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "ms per step | MFU | overhead vs bare loop (ms/step) | test acc | process wall (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for framework in FRAMEWORKS:
         if framework not in rows:
             continue
         r = rows[framework]
         if not r["runs"]:
             lines.append(f"| {framework} | not run ({'; '.join(r['errors']) or 'skipped'}) | 0/{r['of']} "
-                         f"| | | | | | | |")
+                         f"| | | | | | | | |")
             continue
         time_ratio = r["train_time_s"] / fast["train_time_s"] if fast.get("train_time_s") else None
         speed_ratio = (fast["samples_per_s"] / r["samples_per_s"]
@@ -211,7 +212,7 @@ def config_table(key: str, rows: dict) -> list:
             f"| {framework} | {r['train_time_s']:.1f} ({', '.join(map(str, r['train_times']))}) "
             f"| {r['runs']}/{r['of']} "
             f"| {_f(time_ratio, '.3f')} | {_f(r['samples_per_s'], '.1f')} | {_f(speed_ratio, '.3f')} "
-            f"| {_f(r['step_ms'], '.1f')} | "
+            f"| {_f(r['step_ms'], '.1f')} | {_f(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
             + ("–" if overhead is None else f"{overhead:+.1f} ({overhead_pct:+.0f}%)")
             + f" | {acc} | {_f(r['wall_s'], '.0f')} |")
     lines += ["", verdict(rows), ""]
@@ -253,7 +254,9 @@ def report(summary: dict, preset: str, argv: list, repeats: int, nproc: int, ver
              f"{os.environ.get('OMP_NUM_THREADS') or THREADS.get(preset) or 'cores / processes'}.",
              "- train time: training + validation of all epochs (fastpt's `train_time_s`, measured the same way in "
              "every script); samples/s: training steps after 3 warm-up steps; ms per step = global batch / samples/s; "
-             "overhead = ms per step minus the bare loop's (same precision, same batches, no validation).",
+             "overhead = ms per step minus the bare loop's (same precision, same batches, no validation); "
+             "MFU: useful model FLOP/s on real tokens over the device's peak at the run's precision (on a CPU the "
+             "matmul peak measured by fastpt/machinery/peak.py, the same figure for every framework).",
              ""]
     for key, rows in summary.items():
         lines += config_table(key, rows)
