@@ -163,9 +163,9 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     each review's boundaries on the host, harmless there).
     """
     from fastpt.machinery.bookkeeping import Bookkeeping
-    from fastpt.speedups import packing
+    from fastpt.speedups import packed_attention
 
-    monkeypatch.setattr(packing, "packed_attention_kernel", lambda *args, **kwargs: "mask")
+    monkeypatch.setattr(packed_attention, "packed_attention_kernel", lambda *args, **kwargs: "mask")
     all_ops = []
     original, original_log = Bookkeeping.after_step, Bookkeeping.log
 
