@@ -25,7 +25,8 @@ def cached_files(root):
 def test_the_probe_measures_the_model_shapes_and_a_square_one_and_caches_them(tmp_path):
     first = peak.measured_peak(torch.device("cpu"), torch.float32, 64, tmp_path)
     assert first["source"] == "measured at the start of this run"
-    assert [s["mnk"] for s in first["shapes"]] == [[4096, 64, 256], [256, 256, 256]]
+    (m1, k1, n1), (m2, k2, n2) = [s["mnk"] for s in first["shapes"]]
+    assert (k1, n1, k2, n2) == (64, 256, 256, 256) and 32 <= m1 <= 4096 and 32 <= m2 <= 256
     assert first["flops_per_s"] == max(s["flops_per_s"] for s in first["shapes"]) > 0
     [path] = cached_files(tmp_path)
     again = peak.measured_peak(torch.device("cpu"), torch.float32, 64, tmp_path)
@@ -41,7 +42,18 @@ def test_the_rate_is_the_matmul_flops_over_its_time(monkeypatch):
     clock = iter(float(t) for t in range(1000))
     monkeypatch.setattr(peak.time, "perf_counter", lambda: next(clock))  # every call: one second later
     # first timed call: 1 s, so one repetition per timing (1 s each): 2 * m * k * n FLOPs per second
-    assert peak.matmul_flops_per_s(8, 4, 2, torch.float32, torch.device("cpu")) == 2 * 8 * 4 * 2
+    assert peak.matmul_flops_per_s(8, 4, 2, torch.float32, torch.device("cpu")) == (2 * 8 * 4 * 2, 8)
+
+
+def test_a_slow_precision_is_probed_on_fewer_rows(monkeypatch):
+    """32 rows take a whole (fake) second, 50x the time a timing may take: the full 4096 rows are never run."""
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(peak.time, "perf_counter", lambda: next(clock))
+    calls = []
+    monkeypatch.setattr(peak.torch, "mm", lambda a, b: calls.append(a.shape[0]))
+    rate, rows = peak.matmul_flops_per_s(4096, 16, 16, torch.float32, torch.device("cpu"))
+    assert rows == peak.CALIBRATION_ROWS and max(calls) == peak.CALIBRATION_ROWS
+    assert rate == 2 * rows * 16 * 16
 
 
 @pytest.mark.parametrize("tamper", ["garbage", "other key", "zero", "other user"])

@@ -34,6 +34,7 @@ import torch
 
 SQUARE = 2048
 PROBE_S = 0.25  # seconds per timing; the best of three timings per shape
+CALIBRATION_ROWS = 32  # the first, small product: how fast this precision is on this device
 
 
 def cpu_identity() -> dict:
@@ -57,26 +58,41 @@ def probe_shapes(hidden: int) -> list[tuple[int, int, int]]:
     return [(4096, hidden, 4 * hidden), (SQUARE, SQUARE, SQUARE)]
 
 
-def matmul_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> float:
-    """The best rate of an (m x k) @ (k x n) matmul over three timings of about PROBE_S each."""
+def matmul_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple[float, int]:
+    """(the best rate of an (m' x k) @ (k x n) matmul over up to three timings of about PROBE_S, m').
+
+    m' <= m: a few rows first measure how fast this precision is here, and the rows are cut so one
+    product takes about PROBE_S. Emulated float16 / bfloat16 (a CPU without AVX512-FP16 / BF16)
+    can be a hundred times slower than float32: the full shape would take minutes.
+    """
     g = torch.Generator(device).manual_seed(0)  # its own: the run's random state (dropout masks) stays untouched
-    a = torch.randn(m, k, device=device, generator=g).to(dtype)
     b = torch.randn(k, n, device=device, generator=g).to(dtype)
+    few = min(m, CALIBRATION_ROWS)
+    a = torch.randn(few, k, device=device, generator=g).to(dtype)
     torch.mm(a, b)  # first call: oneDNN / cuBLAS picks and prepares its kernel
     _sync(device)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    _sync(device)
+    rate = 2 * few * k * n / max(time.perf_counter() - start, 1e-9)
+    rows = int(min(m, max(few, PROBE_S * rate / (2 * k * n))))
+    if rows > few:
+        a = torch.randn(rows, k, device=device, generator=g).to(dtype)
+        torch.mm(a, b)
+        _sync(device)
     start = time.perf_counter()
     torch.mm(a, b)
     _sync(device)
     once = max(time.perf_counter() - start, 1e-6)
     reps = max(1, int(PROBE_S / once))
     best = 0.0
-    for _ in range(3 if once < PROBE_S else 1):  # a slow matmul (emulated bfloat16): one timing is enough
+    for _ in range(3 if once < PROBE_S else 1):  # a slow matmul: one timing is enough
         start = time.perf_counter()
         for _ in range(reps):
             torch.mm(a, b)
         _sync(device)
-        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start))
-    return best
+        best = max(best, 2 * rows * k * n * reps / (time.perf_counter() - start))
+    return best, rows
 
 
 def _sync(device: torch.device) -> None:
@@ -98,8 +114,10 @@ def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_r
         cached = _read(path, key)
         if cached is not None:
             return {**cached, "source": f"measured earlier on this machine ({path})"}
-    rates = [{"mnk": list(shape), "flops_per_s": matmul_flops_per_s(*shape, dtype, device)}
-             for shape in key["shapes"]]
+    rates = []
+    for m, k, n in key["shapes"]:
+        rate, rows = matmul_flops_per_s(m, k, n, dtype, device)
+        rates.append({"mnk": [rows, k, n], "flops_per_s": rate})
     found = {"key": key, "flops_per_s": max(r["flops_per_s"] for r in rates), "dtype": key["dtype"], "shapes": rates}
     if path is not None:
         _write(path, found)
