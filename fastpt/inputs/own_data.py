@@ -2,14 +2,8 @@
 
     python train.py --data reviews.csv --text-column text --label-column label
 
-Sources (`--data`):
-- a file: `.csv`, `.tsv`, `.jsonl` / `.json` (JSON Lines: one object a line) or `.parquet`; one
-  file is the training set, and `--val-data` / `--test-data` name the other splits' files;
-- a folder written by `datasets`' `save_to_disk` (a Dataset, or a DatasetDict with `train` and
-  maybe `validation` / `test` splits);
-- a Hugging Face Hub dataset name (online only; offline it fails at once, like models do).
-
-Reading a table: tables.py; its columns and labels: columns.py.
+Sources (`--data`: a file, a saved `datasets` folder, a Hub dataset) and reading them: tables.py;
+its columns and labels: columns.py.
 
 A split the source does not have is carved from the training set: `--val-fraction` (0.1) and
 `--test-fraction` (0.2) of each label's rows, drawn with `--split-seed` (stratified, so every
