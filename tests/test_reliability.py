@@ -285,6 +285,7 @@ def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch)
         return original(self)
 
     monkeypatch.setattr(fastpt.machinery.signals.os, "_exit", exit_now)
+    monkeypatch.setattr(fastpt.machinery.signals, "REPEAT_S", 0.0)  # not the first one delivered twice
     monkeypatch.setattr(Strategy, "optimizer_step", step)
     handler_before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Exited) as exited:
@@ -292,6 +293,40 @@ def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch)
     assert exited.value.args == (128 + signal.SIGTERM,)
     assert signal.getsignal(signal.SIGTERM) == handler_before  # the run put the old handler back
     assert checkpoint_step(out) == 3  # no checkpoint for the abandoned step 5; step 3's is intact
+
+
+@pytest.mark.parametrize("second, repeat_s, exits", [
+    ("TERM", None, None),   # the same signal at once: delivered twice (srun torchrun, Ctrl-C under torchrun)
+    ("TERM", 0.0, 143),     # the same signal later: a second request, stop now
+    ("INT", None, 130),     # another signal: a second request
+    ("USR1", 0.0, None),    # the warning signal only warns, however late it comes again
+])
+def test_a_second_signal_stops_at_once_unless_it_is_the_first_again(second, repeat_s, exits, monkeypatch):
+    import fastpt.machinery.signals as signals
+
+    class Exited(BaseException):
+        pass
+
+    def exit_now(status):
+        raise Exited(status)
+
+    monkeypatch.setattr(signals.os, "_exit", exit_now)
+    if repeat_s is not None:
+        monkeypatch.setattr(signals, "REPEAT_S", repeat_s)
+    first = signal.SIGUSR1 if second == "USR1" else signal.SIGTERM
+    stopper = signals.GracefulStop(warning_signal=signal.SIGUSR1).install()
+    try:
+        os.kill(os.getpid(), first)
+        assert stopper.poll() == (True, False) and stopper.stop_signal == first
+        if exits is None:
+            os.kill(os.getpid(), signal.Signals[f"SIG{second}"])
+            assert stopper.stop_signal == first  # still the one graceful stop
+        else:
+            with pytest.raises(Exited) as exited:
+                os.kill(os.getpid(), signal.Signals[f"SIG{second}"])
+            assert exited.value.args == (exits,)
+    finally:
+        stopper.uninstall()
 
 
 def test_sigint_in_process_stops_after_the_step(reference, imdb_dir, cache_dir, tmp_path, monkeypatch, capfd):

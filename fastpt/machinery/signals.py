@@ -5,6 +5,12 @@ The first signal only sets a flag: the loop finishes the step it is in, writes
 message saying how to resume. A second signal exits at once (status 128 + signal number);
 checkpoints are written atomically, so even then no half-written file is left in place.
 
+The same signal again within `REPEAT_S` is the first one delivered twice, not a second request:
+a launcher that passes its signals on to workers that got them already does that. Under
+`srun torchrun`, SLURM signals every process of the step, torchrun included, and torchrun
+passes the signal on to its workers a few milliseconds later; a terminal's Ctrl-C reaches
+torchrun and its workers alike. The warning signal never stops a run at once: it only warns.
+
 Under torchrun every rank receives the signal; the flag is combined across ranks on a small
 gloo group (host memory, no GPU synchronisation) so all ranks stop after the same step. The
 combined value is the signal's number (the largest, if ranks got different ones), so every rank
@@ -29,8 +35,15 @@ import os
 import signal
 import sys
 import threading
+import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_S = 2.0  # the same signal again this soon: delivered twice (see top), not a second request
+
+
+def _repeated(first: tuple, signum: int) -> bool:
+    """Whether `signum` is the first signal (`first`: its number and time) delivered again."""
+    return signum == first[0] and time.monotonic() - first[1] < REPEAT_S
 
 
 class Interrupted(KeyboardInterrupt):
@@ -61,8 +74,10 @@ def interrupt_on_signals():
             os.kill(os.getpid(), signum)
             return
         if raised:
+            if _repeated(raised[0], signum):
+                return
             os._exit(128 + signum)  # second signal while cleaning up: stop now
-        raised.append(signum)
+        raised.append((signum, time.monotonic()))
         raise Interrupted(signum)
 
     _settled.clear()
@@ -118,6 +133,7 @@ class GracefulStop:
     def __init__(self, warning_signal: int | None = None, timeout_s: int | None = None):
         self.timeout_s = timeout_s  # --dist-timeout: a group of its own does not inherit the default group's
         self.signum = None  # this process's signal: a second one exits at once
+        self._signalled_at = 0.0
         self.agreed = None  # the signal all ranks stop for (poll())
         self.warning_signal = warning_signal
         self._previous = {}
@@ -142,8 +158,10 @@ class GracefulStop:
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
+            if signum == self.warning_signal or _repeated((self.signum, self._signalled_at), signum):
+                return  # the first signal delivered again, or one more warning
             os._exit(128 + signum)  # second signal: stop now
-        self.signum = signum
+        self.signum, self._signalled_at = signum, time.monotonic()
 
     @property
     def stop_signal(self) -> int | None:
