@@ -3,6 +3,12 @@
     python scripts/compare_peers.py                       # preset cpu: MiniLM, fp32 / bf16 / 2-process DDP
     python scripts/compare_peers.py --preset tiny         # the tiny model: framework overhead per step
     python scripts/compare_peers.py --preset article --nproc 4 --configs fp16,ddp-fp16   # GPUs
+    python scripts/compare_peers.py --preset goal --frameworks fastpt,lightning --repeats 1
+        # 512 tokens: fastpt's own flags (--pack, --fused-adam, --compile) against Lightning at the same precision
+
+Configurations named after a precision alone give every framework the same work; those with more
+in their name (fp32-pack, bf16-pack-compile) add fastpt's own speed-ups, and the peers run the
+plain precision once per repeat, shared by all of them.
 
 For each configuration, fastpt's `train.py`, the Lightning reference (scripts/peers/lightning_ref.py)
 and the accelerate reference (scripts/peers/accelerate_ref.py) train on the same inputs (fastpt's
@@ -58,6 +64,13 @@ CONFIGS = {
     "ddp": Config("ddp", ("--ddp",), "32", True),
     "ddp-bf16": Config("ddp-bf16", ("--amp", "--amp-dtype", "bfloat16", "--ddp"), "bf16", True),
     "ddp-fp16": Config("ddp-fp16", ("--amp", "--ddp"), "16", True),
+    # fastpt's own speed-ups on top, the peers at the same precision (their runs are shared with the
+    # plain configuration's: one Lightning bf16 run serves bf16, bf16-pack and bf16-pack-compile)
+    "fp32-pack": Config("fp32-pack", ("--pack",), "32"),
+    "fp32-pack-compile": Config("fp32-pack-compile", ("--pack", "--compile"), "32"),
+    "bf16-pack": Config("bf16-pack", ("--pack", "--amp", "--amp-dtype", "bfloat16", "--fused-adam"), "bf16"),
+    "bf16-pack-compile": Config("bf16-pack-compile",
+                                ("--pack", "--amp", "--amp-dtype", "bfloat16", "--fused-adam", "--compile"), "bf16"),
 }
 
 # Workload flags, spelt the same for train.py and the peers.
@@ -72,6 +85,10 @@ PRESETS = {
     "smoke": ("tiny model on tiny data (tests only)",
               ("--model", "tiny", "--max-length", "32", "--batch-size", "8", "--epochs", "2",
                "--train-size", "64", "--val-size", "16", "--test-size", "32"), ("fp32",)),
+    "goal": ("pretrained MiniLM-L6, first 400/100/200 reviews, the articles' 512 tokens, batch 12, 1 epoch",
+             ("--model", "minilm", "--max-length", "512", "--batch-size", "12", "--epochs", "1",
+              "--train-size", "400", "--val-size", "100", "--test-size", "200"),
+             ("fp32", "fp32-pack", "fp32-pack-compile", "bf16", "bf16-pack", "bf16-pack-compile")),
     "article": ("the articles' run: distilbert-base-uncased, 512 tokens, batch 12, 3 epochs, full split",
                 ("--model", "distilbert-base-uncased", "--max-length", "512", "--epochs", "3"),
                 ("fp32", "fp16", "ddp-fp16")),
@@ -95,6 +112,7 @@ class Job:
     results: Optional[dict] = None
     wall_s: Optional[float] = None
     error: str = ""
+    same_as: Optional["Job"] = None  # a peer's run shared by configurations that differ only in fastpt's flags
 
 
 def launcher(framework: str, procs: int, on_cuda: bool) -> list:
@@ -115,6 +133,7 @@ def plan(preset: str, config_keys: list, frameworks: list, repeats: int, nproc: 
     jobs = []
     threads = THREADS.get(preset)
     for repeat in range(repeats):
+        peer_runs = {}  # (framework, precision, processes): the job that runs it in this repeat
         for key in config_keys:
             config = CONFIGS[key]
             procs = nproc if config.multi_process else 1
@@ -125,11 +144,20 @@ def plan(preset: str, config_keys: list, frameworks: list, repeats: int, nproc: 
                 extra = (list(config.fastpt_flags) + ["--overwrite", "--no-progress"] if framework == "fastpt"
                          else ["--precision", config.precision])
                 command = [*launcher(framework, procs, on_cuda), *workload, *data_args, *extra, "--out", str(out)]
-                jobs.append(Job(config, framework, repeat, command, out, procs, threads))
+                job = Job(config, framework, repeat, command, out, procs, threads)
+                if framework != "fastpt":
+                    job.same_as = peer_runs.setdefault((framework, config.precision, procs), job)
+                    job.same_as = None if job.same_as is job else job.same_as
+                jobs.append(job)
     return jobs
 
 
 def execute(job: Job) -> None:
+    if job.same_as is not None:  # run already, for another configuration (interleaving keeps it earlier)
+        job.results, job.wall_s, job.error = job.same_as.results, job.same_as.wall_s, job.same_as.error
+        print(f"[{job.config.key} {job.framework} #{job.repeat + 1}] the {job.same_as.config.key} run's results",
+              flush=True)
+        return
     env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
     if "OMP_NUM_THREADS" not in os.environ:  # the same for every framework
         env["OMP_NUM_THREADS"] = str(job.threads or max(1, cpu_count() // job.procs))
@@ -169,6 +197,7 @@ def summarise(jobs: list, batch_size: int) -> dict:
             procs = group[0].procs
             summary[key][framework] = {
                 "runs": sum(1 for j in group if j.results), "of": len(group),
+                "shared_from": group[0].same_as.config.key if group[0].same_as else None,
                 "errors": [j.error for j in group if j.error],
                 "train_time_s": median_of(group, "train_time_s"),
                 "train_times": [round(j.results["train_time_s"], 1) for j in group if j.results],
@@ -190,7 +219,9 @@ def _f(v, spec: str) -> str:
 def config_table(key: str, rows: dict) -> list:
     fast = rows.get("fastpt", {})
     bare = rows.get("bare", {})
-    lines = [f"### {key}", "",
+    config = CONFIGS[key]
+    lines = [f"### {key}", "", f"fastpt's flags: `{' '.join(config.fastpt_flags) or '(none)'}`; the peers: "
+             f"`--precision {config.precision}`.", "",
              "| framework | train time (s) | runs | time / fastpt | samples/s | fastpt speed / this | "
              "ms per step | MFU | overhead vs bare loop (ms/step) | test acc | process wall (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -208,8 +239,9 @@ def config_table(key: str, rows: dict) -> list:
         overhead = (r["step_ms"] - bare["step_ms"]) if bare.get("step_ms") and r["step_ms"] else None
         overhead_pct = 100 * overhead / bare["step_ms"] if overhead is not None else None
         acc = "– (no test)" if framework == "bare" else _f(100 * r["test_acc"], ".2f") + "%"
+        name = f"{framework} (the {r['shared_from']} run)" if r.get("shared_from") else framework
         lines.append(
-            f"| {framework} | {r['train_time_s']:.1f} ({', '.join(map(str, r['train_times']))}) "
+            f"| {name} | {r['train_time_s']:.1f} ({', '.join(map(str, r['train_times']))}) "
             f"| {r['runs']}/{r['of']} "
             f"| {_f(time_ratio, '.3f')} | {_f(r['samples_per_s'], '.1f')} | {_f(speed_ratio, '.3f')} "
             f"| {_f(r['step_ms'], '.1f')} | {_f(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "

@@ -187,3 +187,25 @@ def test_bucket_accuracy_smoke_trains_both_batchings_on_the_same_seed(imdb_dir, 
         "`--bucket --bucket-multiplier 4`"))}
     assert padding["random batches, padded to 512"] < padding["random batches, padded to their longest"] \
         < padding["`--bucket --bucket-multiplier 4`"] <= 1
+
+
+def test_compare_peers_runs_a_peer_once_for_configurations_that_differ_only_in_fastpts_flags(tmp_path):
+    import compare_peers
+
+    jobs = compare_peers.plan("smoke", ["fp32", "fp32-pack", "bf16", "bf16-pack"], ["fastpt", "lightning"], 2, 2,
+                              [], tmp_path, on_cuda=False)
+    ran = [j for j in jobs if j.same_as is None]
+    assert [(j.config.key, j.framework) for j in ran[:6]] == [
+        ("fp32", "fastpt"), ("fp32", "lightning"), ("fp32-pack", "fastpt"),
+        ("bf16", "fastpt"), ("bf16", "lightning"), ("bf16-pack", "fastpt")]
+    shared = {(j.config.key, j.repeat): (j.same_as.config.key, j.same_as.repeat) for j in jobs if j.same_as}
+    assert shared == {("fp32-pack", 0): ("fp32", 0), ("bf16-pack", 0): ("bf16", 0),
+                      ("fp32-pack", 1): ("fp32", 1), ("bf16-pack", 1): ("bf16", 1)}  # within its own repeat
+    assert "--pack" in jobs[2].command and "--pack" not in jobs[1].command
+
+    for job in jobs:  # what execute does for a shared job: it takes its source's outcome, it runs nothing
+        if job.same_as:
+            compare_peers.execute(job)
+        else:
+            job.results, job.wall_s = {"train_time_s": float(len(job.command))}, 1.0
+    assert all(j.results is (j.same_as or j).results and j.wall_s == 1.0 for j in jobs)
