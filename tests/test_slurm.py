@@ -160,6 +160,26 @@ def test_usr1_stops_after_the_step_and_requeues_under_slurm(tiny_args, tmp_path,
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
 
 
+def test_usr1_after_the_last_step_finishes_the_run_without_requeue(tiny_args, tmp_path, monkeypatch, capfd):
+    from fastpt.cli import outputs
+    from train import main
+
+    _clear_launch_variables(monkeypatch)
+    asked, original = [], outputs.load_best
+    monkeypatch.setattr(slurm, "requeue", lambda job: asked.append(job))
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+
+    def load_best(*args, **kwargs):  # training is over: the test comes next
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(outputs, "load_best", load_best)
+    out = tmp_path / "run"
+    assert main(tiny_args(out=out)) == 0  # a finished run: nothing to continue
+    assert asked == [] and (out / "results.json").exists()
+    assert "requeued" not in capfd.readouterr().err
+
+
 def test_usr1_while_loading_stops_at_the_first_step(tiny_args, tmp_path, monkeypatch, capfd):
     from fastpt import strategies as strategies_module
     from train import main
