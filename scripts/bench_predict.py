@@ -6,14 +6,21 @@
 The texts: the first --n reviews of IMDB's test split (the project's loader, fastpt/inputs/imdb.py).
 The model (--model minilm by default, or --random-init for the architecture with random weights:
 speed does not depend on the weights) is saved as a Hugging Face model folder, as --export-dir
-saves one; both sides load that folder. Each side runs at every batch size of its list after a
-short warm-up, and its best is compared:
+saves one; both sides load that folder. Each side runs each of its settings at every batch size of
+its list after a short warm-up:
 - pipeline: `pipeline(texts, batch_size=B, truncation=True, max_length=--max-length)`, top_k=None
-  (every label's probability, as fastpt-predict writes);
-- fastpt: what fastpt-predict runs (loop/inference.py): one tokenizer call, length-sorted
-  batches padded to their own longest, inference_mode; float32 like the pipeline.
-Both times include tokenising and exclude loading the model. Printed and written to --table: a
-Markdown table of texts/s per batch size, the ratio of the bests, the CPU's name and the thread count.
+  (every label's probability, as fastpt-predict writes), float32;
+- fastpt "padded": what fastpt-predict runs (loop/inference.py): one tokenizer call, length-sorted
+  batches padded to their own longest, inference_mode; float32 like the pipeline;
+- fastpt "pack": what `fastpt-predict --pack` runs: the same sorted texts end to end in streams of
+  B x the texts' mean length tokens (its default --pack-tokens), no padding; float32;
+- "bf16" settings (fastpt's `--amp bfloat16`; the pipeline's model loaded with dtype=bfloat16) only
+  where the CPU has native bfloat16 (AVX512-BF16 or AMX): elsewhere it is emulated and slower than
+  float32, and the script says it skips them.
+Both times include tokenising and exclude loading the model (and wrapping it for packing). Printed
+and written to --table: a Markdown table of texts/s per setting and batch size, each fastpt row
+against the pipeline's best, the ratio of the bests with the settings that made them, the CPU's
+name and the thread count.
 
 The numbers are only as quiet as the machine: measure on an otherwise idle one.
 """
@@ -21,6 +28,7 @@ The numbers are only as quiet as the machine: measure on an otherwise idle one.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
@@ -67,10 +75,12 @@ def save_model(name: str, random_init: bool, folder: Path) -> None:
     load_tokenizer(name).save_pretrained(folder)
 
 
-def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int) -> float:
+def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None) -> float:
+    import torch
     from transformers import pipeline
 
-    classify = pipeline("text-classification", model=str(folder), device="cpu", top_k=None)
+    classify = pipeline("text-classification", model=str(folder), device="cpu", top_k=None,
+                        dtype=getattr(torch, amp or "float32"))
     kwargs = dict(batch_size=batch_size, truncation=True, max_length=max_length)
     classify(texts[:4], **kwargs)  # warm-up
     start = time.perf_counter()
@@ -78,19 +88,31 @@ def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int) -
     return len(texts) / (time.perf_counter() - start)
 
 
-def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int) -> float:
+def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None,
+                pack: bool = False) -> float:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from fastpt.loop.inference import predict, prediction_loader, tokenize
+    from fastpt.loop.inference import packed_prediction_loader, predict, prediction_loader, token_budget, tokenize
+    from fastpt.speedups.amp import MixedPrecision
+    from fastpt.speedups.packed_attention import packed_attention_kernel
+    from fastpt.speedups.packing import PackedClassifier
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation="sdpa")
     device = torch.device("cpu")
+    pad_id = tokenizer.pad_token_id or 0
+    if pack:  # as fastpt-predict --pack wraps it
+        model = PackedClassifier(model, packed_attention_kernel(device.type, False, bool(amp)))
+    autocast = MixedPrecision(bool(amp), amp or "bfloat16", device).autocast()
 
     def run(some: list) -> None:
         split = tokenize(tokenizer, some, None, max_length)
-        predict(model, prediction_loader(split, batch_size, tokenizer.pad_token_id or 0, max_length), device)
+        if pack:
+            loader = packed_prediction_loader(split, token_budget(split, batch_size), pad_id, max_length)
+        else:
+            loader = prediction_loader(split, batch_size, pad_id, max_length)
+        predict(model, loader, device, autocast, max_length)
 
     run(texts[:4])  # warm-up
     start = time.perf_counter()
@@ -115,29 +137,48 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    from fastpt.cli.shell import cpu_has_native_bfloat16
+
     texts = imdb_texts(args.data_dir, args.n)
     header = (f"{len(texts)} IMDB test reviews, --max-length {args.max_length}, model {args.model}"
-              f"{' (random init)' if args.random_init else ''}, float32 | {cpu_name()}, "
-              f"{torch.get_num_threads()} threads | torch {torch.__version__}, transformers {transformers.__version__}")
+              f"{' (random init)' if args.random_init else ''}, float32 unless the setting says bf16 | "
+              f"{cpu_name()}, {torch.get_num_threads()} threads | torch {torch.__version__}, "
+              f"transformers {transformers.__version__}")
     print(header, flush=True)
+    precisions = [None]
+    if cpu_has_native_bfloat16():
+        precisions.append("bfloat16")
+    else:
+        print(f"bf16 settings skipped: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16 "
+              f"(AVX512-BF16 or AMX); it is emulated here and slower than float32", flush=True)
+    # (side, setting, batch sizes, timer); a setting is how it batches, and its precision
+    settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes,
+                 functools.partial(time_pipeline, amp=amp)) for amp in precisions]
+    settings += [("fastpt-predict", ("pack" if pack else "padded") + (", bf16" if amp else ""),
+                  args.fastpt_batch_sizes, functools.partial(time_fastpt, amp=amp, pack=pack))
+                 for amp in precisions for pack in (False, True)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "export"
         save_model(args.model, args.random_init, folder)
-        for side, sizes, timer in (("pipeline", args.pipeline_batch_sizes, time_pipeline),
-                                   ("fastpt-predict", args.fastpt_batch_sizes, time_fastpt)):
+        for side, setting, sizes, timer in settings:
             for size in map(int, sizes.split(",")):
                 rate = timer(folder, texts, size, args.max_length)
-                rows.append((side, size, rate))
-                print(f"{side:15s} batch {size:4d}: {rate:8.2f} texts/s", flush=True)
-    best = {side: max(r for s, _, r in rows if s == side) for side in ("pipeline", "fastpt-predict")}
-    ratio = best["fastpt-predict"] / best["pipeline"]
-    lines = ["# fastpt-predict vs transformers.pipeline", "", header, "", "| side | batch size | texts/s |",
-             "| --- | ---: | ---: |", *(f"| {s} | {b} | {r:.2f} |" for s, b, r in rows), "",
-             f"Best against best: fastpt-predict {best['fastpt-predict']:.2f} texts/s, pipeline "
-             f"{best['pipeline']:.2f} texts/s: **{ratio:.2f}x**.", "",
+                rows.append((side, setting, size, rate))
+                print(f"{side:15s} {setting:12s} batch {size:4d}: {rate:8.2f} texts/s", flush=True)
+    best = {side: max((r for r in rows if r[0] == side), key=lambda r: r[3]) for side in ("pipeline", "fastpt-predict")}
+    theirs = best["pipeline"][3]
+    ratio = best["fastpt-predict"][3] / theirs
+    named = {side: f"{r[1]}, batch {r[2]}" for side, r in best.items()}
+    lines = ["# fastpt-predict vs transformers.pipeline", "", header, "",
+             "pack: streams of batch size x the texts' mean length tokens (fastpt-predict --pack's default).", "",
+             "| side | setting | batch size | texts/s | vs pipeline's best |", "| --- | --- | ---: | ---: | ---: |",
+             *(f"| {s} | {setting} | {b} | {r:.2f} | {r / theirs:.2f}x |" for s, setting, b, r in rows), "",
+             f"Best against best: fastpt-predict ({named['fastpt-predict']}) {best['fastpt-predict'][3]:.2f} texts/s, "
+             f"pipeline ({named['pipeline']}) {theirs:.2f} texts/s: **{ratio:.2f}x**.", "",
              f"Written by `python scripts/bench_predict.py {' '.join(sys.argv[1:])}`."]
-    print(f"best against best: {ratio:.2f}x")
+    print(f"best against best: fastpt-predict ({named['fastpt-predict']}) / pipeline ({named['pipeline']}) = "
+          f"{ratio:.2f}x")
     Path(args.table).parent.mkdir(parents=True, exist_ok=True)
     Path(args.table).write_text("\n".join(lines) + "\n")
     print(f"wrote: {args.table}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,68 @@ def test_unlabelled_texts_are_predicted_without_a_label_column(trained, capsys):
     assert "evaluation" not in capsys.readouterr().out
 
 
+def test_packed_predictions_equal_the_padded_ones(trained, capsys):
+    """--pack: the same labels and probabilities as padded batches, from an export (streams of at most 40
+    tokens: several texts each, several streams) and from a run folder (the default budget); padded, both
+    folders give the same file (test_predict_matches_the_pipeline_from_the_export_and_the_run_folder)."""
+    names, root = trained["results"]["label_names"], trained["root"]
+    files = {}
+    for how, source, flags in (("padded", "export", []), ("packed-export", "export", ["--pack", "--pack-tokens", "40"]),
+                               ("packed-run", "run", ["--pack"])):
+        files[how] = root / f"{how}.csv"
+        assert predict(["--model", str(trained[source]), "--data", str(trained["test_csv"]), "--out", str(files[how]),
+                        "--batch-size", "4", "--overwrite", *flags]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("predicted 31 texts")]
+    assert "| batch 4 |" in lines[0] and "| pack 40 tokens (loop attention) |" in lines[1]
+    assert re.search(r"\| pack \d+ tokens \(loop attention\) \|", lines[2]) and "| pack 40 " not in lines[2]
+    padded = read_predictions(files["padded"])
+    assert len({p["predicted"] for p in padded}) > 1, "one predicted class would make the comparison weak"
+    for how in ("packed-export", "packed-run"):
+        packed = read_predictions(files[how])
+        assert [p["row"] for p in packed] == [str(i) for i in range(31)]
+        assert [p["predicted"] for p in packed] == [p["predicted"] for p in padded], how
+        assert np.allclose(probabilities(packed, names), probabilities(padded, names), atol=1e-5), how
+
+
+def test_packed_batches_give_each_text_to_one_rank_in_streams_within_the_budget():
+    from fastpt.inputs.data import TokenizedSplit
+    from fastpt.loop.inference import packed_batches, token_budget
+
+    lengths = [5, 17, 3, 9, 9, 30, 2, 11, 4]
+    split = TokenizedSplit.from_token_lists([[1] * n for n in lengths])
+    assert token_budget(split, 2) == round(2 * np.mean(lengths))
+    shares = [packed_batches(split, 20, rank, 2) for rank in (0, 1)]
+    seen = sorted(i for share in shares for batch in share for i, weight in batch if weight == 1.0)
+    assert seen == list(range(len(lengths)))  # every text once, over both ranks
+    for share in shares:
+        for batch in share:
+            assert len(batch) == 1 or sum(lengths[i] for i, _ in batch) <= 20
+        order = [lengths[i] for batch in share for i, _ in batch]
+        assert order == sorted(order, reverse=True)  # longest first
+    assert shares[0][0] == [(5, 1.0)]  # 30 tokens: a stream of its own
+    assert packed_batches(split, 20, 9, 10) == [[(6, 0.0)]]  # no text for rank 9: the shortest, weight 0
+
+
+def test_pack_is_refused_where_training_refuses_it(trained, tmp_path, capsys):
+    """An ELECTRA export: packing has no head for it (packing.PACKED_MODELS), one line and nothing written."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from fastpt.inputs.models import load_tokenizer
+
+    folder = tmp_path / "electra"
+    config = AutoConfig.for_model("electra", vocab_size=30522, hidden_size=32, embedding_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=64,
+                                  id2label=dict(enumerate(trained["results"]["label_names"])))
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    load_tokenizer("tiny").save_pretrained(folder)
+    out = tmp_path / "o.csv"
+    assert predict(["--model", str(folder), "--data", str(trained["test_csv"]), "--out", str(out), "--pack"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --pack supports distilbert, bert, roberta models, not electra; drop --pack"]
+    assert not out.exists()
+    assert predict(["--model", str(folder), "--data", str(trained["test_csv"]), "--out", str(out)]) == 0
+
+
 def bad_cases(t):
     """(flags, the message's part) for bad input; `t` is the trained fixture."""
     return {
@@ -125,11 +188,13 @@ def bad_cases(t):
         "output type": (["--out", str(t["root"] / "p.txt")], "unknown output type .txt"),
         "run without checkpoint": (["--model", str(t["root"] / "empty-run"), "--checkpoint", "last"],
                                    "without checkpoints/last.pt"),
+        "pack tokens without pack": (["--pack-tokens", "100"], "--pack-tokens needs --pack"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing file", "unknown column", "unknown label column", "neither folder",
-                                  "existing output", "output type", "run without checkpoint"])
+                                  "existing output", "output type", "run without checkpoint",
+                                  "pack tokens without pack"])
 def test_bad_input_is_one_line_and_writes_nothing(trained, capsys, case):
     (trained["root"] / "taken.csv").write_text("kept\n")
     (trained["root"] / "empty-run" / "checkpoints").mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 
     fastpt-predict --model runs/reviews --data new.csv --out predictions.csv
     fastpt-predict --model exported/ --data new.jsonl --out predictions.jsonl --batch-size 128 --amp bfloat16
+    fastpt-predict --model exported/ --data new.csv --out predictions.csv --pack      # no padding tokens
     torchrun --nproc_per_node=4 -m fastpt.cli.predict --model ... --data ... --out ...   # rank 0 writes
 
 --model is a folder train.py wrote: an export (--export-dir: a Hugging Face model folder, which
@@ -10,10 +11,13 @@
 of the types training reads (.csv, .tsv, .jsonl / .json, .parquet; own_data.py reads it). A text
 column is needed; with a label column the command also evaluates (accuracy and macro-F1 printed,
 the gold labels written beside the predictions). The output's columns: cli/predictions.py; the
-fast path: loop/inference.py.
+fast path: loop/inference.py. --pack lays the sorted texts end to end in streams of --pack-tokens
+tokens (default: --batch-size x the texts' mean length) instead of padded batches; the same
+predictions (float rounding aside), refused where training refuses --pack (the model's type).
 
 Bad input is one line `error: ...` and status 2, with nothing written: a missing file, an unknown
-column, a folder that is neither an export nor a run folder, an existing --out without --overwrite.
+column, a folder that is neither an export nor a run folder, an existing --out without --overwrite,
+--pack on a model it does not support.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--batch-size", type=int, default=64, help="texts per batch")
     p.add_argument("--max-length", type=int, help="tokens per text (default: the run's, else the model's limit)")
     p.add_argument("--amp", choices=("bfloat16", "float16"), help="autocast to this dtype (default: float32)")
+    p.add_argument("--pack", action="store_true", help="no padding: the texts end to end in token streams "
+                                                       "(DistilBERT, BERT, RoBERTa; speedups/packing.py)")
+    p.add_argument("--pack-tokens", type=int, help="with --pack: tokens per stream (default: --batch-size x the "
+                                                   "texts' mean length; a longer text goes alone)")
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if there is a GPU), cpu, cuda")
     return p
 
@@ -56,6 +64,8 @@ def check_paths(args) -> None:
     output_format(out)
     if args.batch_size < 1 or (args.max_length is not None and args.max_length < 2):
         raise ValueError("--batch-size must be at least 1 and --max-length at least 2")
+    if args.pack_tokens is not None and (not args.pack or args.pack_tokens < 1):
+        raise ValueError("--pack-tokens needs --pack and a positive number of tokens")
     if not data.is_file():
         raise DataError(f"--data {data}: no such file")
     if out.exists() and data.resolve() == out.resolve():
@@ -139,13 +149,15 @@ def run(args, dist) -> None:
     import torch
 
     from fastpt.cli.predictions import preview, write_predictions
-    from fastpt.loop.build import needs_token_types
+    from fastpt.loop.build import check_model_fits, needs_token_types
     from fastpt.loop.evaluation import macro_f1
-    from fastpt.loop.inference import predict, prediction_loader, tokenize
+    from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,
+                                       tokenize)
     from fastpt.speedups.amp import MixedPrecision, check_dtype_supported
 
     model, tokenizer, names, run_cfg = load_trained(Path(args.model), args.checkpoint)
     table, columns, gold = read_texts(args, run_cfg, names)
+    check_model_fits(SimpleNamespace(pack=args.pack, text_pair_column=columns.text_pair_column), model, tokenizer)
     if args.amp:
         check_dtype_supported(args.amp, dist.device)
     max_length = args.max_length or run_cfg["max_length"]
@@ -154,10 +166,21 @@ def run(args, dist) -> None:
     pairs = table.columns[table.use["pair"]] if columns.text_pair_column else None
     split = tokenize(tokenizer, texts, pairs, max_length)
     sep_id = tokenizer.sep_token_id if needs_token_types(columns, model.config) else None
-    loader = prediction_loader(split, args.batch_size, tokenizer.pad_token_id or 0, max_length, dist.rank,
-                               dist.world_size, sep_id, pin_memory=dist.device.type == "cuda")
+    pad_id, pin = tokenizer.pad_token_id or 0, dist.device.type == "cuda"
+    if args.pack:  # the training path's PackedClassifier and kernel choice (loop/build.py), never compiled here
+        from fastpt.speedups.packed_attention import packed_attention_kernel
+        from fastpt.speedups.packing import PackedClassifier
+        model = PackedClassifier(model, packed_attention_kernel(dist.device.type, False, bool(args.amp)))
+        tokens = args.pack_tokens or token_budget(split, args.batch_size)
+        loader = packed_prediction_loader(split, tokens, pad_id, max_length, dist.rank, dist.world_size,
+                                          pin_memory=pin)
+        batching = f"pack {tokens} tokens ({model.kernel} attention)"
+    else:
+        loader = prediction_loader(split, args.batch_size, pad_id, max_length, dist.rank, dist.world_size, sep_id,
+                                   pin_memory=pin)
+        batching = f"batch {args.batch_size}"
     autocast = MixedPrecision(bool(args.amp), args.amp or "bfloat16", dist.device).autocast()
-    out = predict(model.to(dist.device), loader, dist.device, autocast)
+    out = predict(model.to(dist.device), loader, dist.device, autocast, max_length)
     seconds = time.perf_counter() - began
     if not dist.is_main:
         return
@@ -166,7 +189,7 @@ def run(args, dist) -> None:
         leading["label"] = [names[i] for i in gold]
     write_predictions(Path(args.out), leading, names, out["predicted"], out["probabilities"])
     print(f"predicted {len(texts)} texts in {seconds:.2f} s ({len(texts) / seconds:.1f} texts/s, tokenising "
-          f"included) | batch {args.batch_size} | max length {max_length} | {dist.device} x{dist.world_size} | "
+          f"included) | {batching} | max length {max_length} | {dist.device} x{dist.world_size} | "
           f"amp: {args.amp or 'off'} | torch {torch.__version__}")
     if gold is not None:
         k = len(names)

@@ -4,6 +4,9 @@
     loader = prediction_loader(split, batch_size, ...)       # length-sorted batches, padded to their longest
     out = predict(model, loader, device, autocast)           # inference_mode; out["probabilities"][i] is text i's
 
+    loader = packed_prediction_loader(split, token_budget(split, batch_size), ...)   # or: no padding at all
+    out = predict(PackedClassifier(model, kernel), loader, device, autocast, max_length)
+
 What makes it faster than `transformers.pipeline("text-classification")` on the same texts and
 model (scripts/bench_predict.py measures both):
 - Length-sorted batches. The sampler orders the texts longest first (data.EvalBatchSampler with
@@ -19,6 +22,15 @@ model (scripts/bench_predict.py measures both):
   plain model that never trains).
 - Optional autocast (--amp bfloat16): matrix products in 16 bits on GPUs, and on CPUs with 16-bit
   matrix units (AMX, AVX-512 BF16); on a CPU without them it is slower than float32.
+- Optional packing (--pack, speedups/packing.py): the sorted texts laid end to end in token streams
+  of about `token_budget` tokens (--pack-tokens; by default --batch-size x the texts' mean length,
+  so about as many batches as padded ones), no padding token at all. A stream of short texts holds
+  more of them than --batch-size: fewer, fuller calls. Attention stays inside each text, with the
+  kernel training would use (packed_attention_kernel: on a CPU the "loop", one flash call per text
+  and layer; on a GPU under --amp FlashAttention's varlen), so on a CPU many very short texts pay a
+  per-call overhead that one padded batch does not: measure both (scripts/bench_predict.py). Only
+  the models PackedClassifier knows (DistilBERT, BERT, RoBERTa), and not sentence pairs on BERT
+  (token_type_ids), as in training.
 
 Several processes (torchrun) each take their share of the sorted order, rank r every r-th text,
 and one all-gather puts the results back in the input's order (evaluation.gather_per_example).
@@ -29,11 +41,13 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from fastpt.inputs import data
 from fastpt.loop.evaluation import gather_per_example
 from fastpt.loop.step import classify
+from fastpt.speedups.packing import PackedCollator
 
 
 def tokenize(tokenizer, texts: list, pairs: list | None, max_length: int, labels=None) -> data.TokenizedSplit:
@@ -41,6 +55,39 @@ def tokenize(tokenizer, texts: list, pairs: list | None, max_length: int, labels
     encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length, return_attention_mask=False,
                         return_token_type_ids=False)
     return data.TokenizedSplit.from_token_lists(encoded["input_ids"], labels)
+
+
+def token_budget(split: data.TokenizedSplit, batch_size: int) -> int:
+    """--pack's default tokens per stream: --batch-size texts of the mean length (at least one token)."""
+    return max(1, round(batch_size * float(split.lengths.mean()))) if len(split) else batch_size
+
+
+def packed_batches(split: data.TokenizedSplit, tokens: int, rank: int = 0, world_size: int = 1) -> list:
+    """This rank's batches of (index, weight) items: its share of the texts sorted longest first (every
+    world_size-th, as EvalBatchSampler gives them), cut greedily into streams of at most `tokens` tokens;
+    a text longer than that is a stream of its own. Ranks may run different numbers of batches: prediction
+    has no collective before the final gather. A rank without texts computes one weight-0 filler, so that
+    every rank has results of the same width to gather."""
+    order = np.argsort(-split.lengths, kind="stable")[rank::world_size]
+    if len(order) == 0:
+        return [[(int(np.argmin(split.lengths)), 0.0)]] if len(split) else []
+    batches, current, used = [], [], 0
+    for i in order.tolist():
+        length = int(split.lengths[i])
+        if current and used + length > tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append((i, 1.0))
+        used += length
+    return batches + [current]
+
+
+def packed_prediction_loader(split: data.TokenizedSplit, tokens: int, pad_id: int, max_length: int, rank: int = 0,
+                             world_size: int = 1, num_workers: int = 0, pin_memory: bool = False):
+    """Streams of about `tokens` tokens of length-sorted texts (packed_batches), no padding; this rank's share."""
+    collate = PackedCollator(pad_id, max_length=max_length)
+    return data.make_loader(split, packed_batches(split, tokens, rank, world_size), collate, num_workers,
+                            pin_memory, seed=0)
 
 
 def prediction_loader(split: data.TokenizedSplit, batch_size: int, pad_id: int, max_length: int, rank: int = 0,
@@ -52,15 +99,16 @@ def prediction_loader(split: data.TokenizedSplit, batch_size: int, pad_id: int, 
 
 
 @torch.inference_mode()
-def predict(model: torch.nn.Module, loader, device: torch.device, autocast=None) -> dict:
+def predict(model: torch.nn.Module, loader, device: torch.device, autocast=None, max_length: int = 0) -> dict:
     """{'probabilities' [n, K] float32, 'predicted' [n] int64} in the split's order, on every rank.
 
-    Results stay on the device until the loop ends: no host read per batch."""
+    `model` is a PackedClassifier for packed batches, with `max_length` the longest text (the kernels'
+    max_seqlen). Results stay on the device until the loop ends: no host read per batch."""
     model.eval()
     kept = []
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         with autocast or contextlib.nullcontext():
-            logits = classify(model, batch, max_length=0).float()  # max_length: for packed batches only
+            logits = classify(model, batch, max_length).float()  # max_length: for packed batches only
         kept.append((torch.softmax(logits, dim=-1), logits.argmax(dim=-1)))
     return gather_per_example(loader.batch_sampler, kept)
