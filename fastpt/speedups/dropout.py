@@ -14,8 +14,9 @@ numbers) per element, then divides that tensor by 1 - p and multiplies. Here one
 four elements (a quarter of the generator's work), and the threshold, the scale and the zeros are
 vectorised passes. scripts/dropout_masks.py times both, the alternatives (`rand_like >= p`,
 `bernoulli_` into a uint8 buffer, Inductor's masks) and packed MiniLM steps; its table is
-scripts/results/dropout-masks-cpu.md (on a 2-core AVX2 EPYC, one thread: dropout's forward +
-backward 1.3-1.4x faster in float32, 1.6x in bfloat16).
+scripts/results/dropout-masks-cpu.md. On a 2-core AVX2 EPYC, one thread: dropout's forward +
+backward 1.3-1.4x faster in float32, 1.6x in bfloat16; but a whole packed MiniLM float32 step only
+1.01x (dropout is 10% of that step, bernoulli_ 3.7%: the rest is its passes over memory).
 
 What it costs:
 - The keep rate is quantised to 1/65536: p = 0.1 keeps 58982/65536 = 0.8999939 of the elements
