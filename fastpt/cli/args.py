@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None,
                    help="one fused Adam kernel (default: on with CUDA)")
     g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="per-tensor Adam")
+    g.add_argument("--cheap-dropout", action="store_true",
+                   help="dropout masks from 16-bit slices of random 64-bit words instead of one bernoulli_ draw per "
+                        "element: on a CPU, 1.3-1.6x faster dropout but a packed MiniLM step only 1.01x "
+                        "(scripts/results/dropout-masks-cpu.md). Off by default: other masks than nn.Dropout's, so "
+                        "runs no longer match the ladder scripts and the "
+                        "Lightning / accelerate peers mask for mask; unmeasured on CUDA, whose dropout is one kernel")
     g.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA")
     g.add_argument("--attn-implementation", default=d.attn_implementation, choices=CHOICES["attn_implementation"],
                    help="scaled_dot_product_attention or the eager matmuls")
