@@ -132,6 +132,7 @@ def test_compiled_uses_inductors_masks_in_one_graph():
     assert torch.equal(compiled(x), x)
 
 
+@pytest.mark.slow  # four tiny runs (~25 s); the default set keeps the swap and the masks' statistics
 def test_a_stopped_run_with_cheap_dropout_resumes_bitwise(imdb_dir, cache_dir, tmp_path, monkeypatch):
     """Resumed == uninterrupted (the masks come from the RNG state last.pt keeps), and a run with
     nn.Dropout's masks (the default) differs: the flag is applied."""
