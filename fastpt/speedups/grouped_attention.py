@@ -15,9 +15,9 @@ matrices. Whether that wins depends on the CPU: the probe (attention_probe.py) t
 
 What it costs: padding inside each group. A group's attention work is about G x L^2 (the padded
 scores), its reviews' exact work the sum of their l^2; `length_groups` keeps the first within
-(1 + MAX_WASTE) of the second, so grouping never adds more than MAX_WASTE of the exact work, and
-still joins reviews whose lengths are within ~10% of each other (scripts/packing_kernels.py sweeps
-the bound). Plus one gather and one scatter of q, k, v and the output (linear in tokens).
+(1 + MAX_WASTE) of the second, so grouping never adds more than MAX_WASTE of the exact work (two
+reviews join when the shorter has at least 0.77 of the longer's length; scripts/packing_kernels.py
+times other bounds). Plus one gather and one scatter of q, k, v and the output (linear in tokens).
 
 The mask: the CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) takes `attn_mask`,
 but only in the query's dtype (an additive mask; torch 2.13 refuses a boolean one: SDPA converts
