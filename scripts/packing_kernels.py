@@ -1,12 +1,16 @@
 """One packed attention call, forward + backward, timed per CPU kernel against padded SDPA.
 
-    python scripts/packing_kernels.py
+    python scripts/packing_kernels.py [--dtype float32] [--batch-size 12] [--out table.md]
 
-12 reviews of IMDB-like lengths (a lognormal cut at 512 tokens: mean ~270, like IMDB's in BERT
-tokens), 12 heads of 32, float32. fastpt/speedups/packed_attention.py's docstring quotes the result. Besides
-fastpt's kernels it times SDPA on a nested jagged tensor, the kernel fastpt does not use.
+12 reviews of IMDB-like lengths (attention_probe.imdb_like_lengths: a lognormal cut at 512 tokens,
+mean ~270, like IMDB's in BERT tokens), 12 heads of 32 (MiniLM's; DistilBERT has 12 of 64).
+Besides fastpt's kernels it times SDPA on a nested jagged tensor (the kernel fastpt does not use),
+and the grouped kernel at several padding bounds (grouped_attention.MAX_WASTE is the default).
+Prints a Markdown table with the CPU's model, capability and threads;
+scripts/results/packing-kernels-cpu.md is its output on the machine named there.
 """
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -17,7 +21,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fastpt.speedups import packed_attention  # noqa: E402
+from fastpt.machinery.peak import cpu_identity  # noqa: E402
+from fastpt.speedups import grouped_attention, packed_attention  # noqa: E402
+from fastpt.speedups.attention_probe import imdb_like_lengths  # noqa: E402
+
+WASTE_BOUNDS = (0.0, 0.1, 0.5, 1.0)  # besides MAX_WASTE
 
 
 def jagged_attention(query, key, value, lengths):
@@ -32,42 +40,73 @@ def jagged_attention(query, key, value, lengths):
     return out.transpose(1, 2).values()[None]
 
 
-def imdb_like_lengths(batch_size: int, max_length: int = 512, seed: int = 0) -> list[int]:
-    """Review lengths drawn like IMDB's in BERT tokens: mean ~270, a long tail cut at max_length."""
-    rng = np.random.default_rng(seed)
-    return np.clip(rng.lognormal(5.5, 0.55, size=batch_size), 16, max_length).astype(int).tolist()
+def grouped_with_bound(max_waste: float):
+    def attend(query, key, value, cu_seqlens, max_seqlen, scaling):
+        default = grouped_attention.MAX_WASTE
+        grouped_attention.MAX_WASTE = max_waste  # read by group_plan's callers at call time
+        try:
+            return grouped_attention.grouped_attention(query, key, value, cu_seqlens, max_seqlen, scaling)
+        finally:
+            grouped_attention.MAX_WASTE = default
+    return attend
 
 
 def benchmark_kernels(batch_size: int = 12, heads: int = 12, head_dim: int = 32, max_length: int = 512,
-                      repeats: int = 5, seed: int = 0) -> dict[str, float]:
+                      dtype: torch.dtype = torch.float32, repeats: int = 5, seed: int = 0,
+                      slow: bool = True) -> dict[str, float]:
     """Median seconds of one attention call, forward + backward, per CPU kernel and padded SDPA."""
     lengths = imdb_like_lengths(batch_size, max_length, seed)
     cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     total = int(cu_seqlens[-1])
     g = torch.Generator().manual_seed(seed)
-    packed = [torch.randn(1, heads, total, head_dim, generator=g) for _ in range(3)]
-    padded = [torch.randn(batch_size, heads, max_length, head_dim, generator=g) for _ in range(3)]
+    # [1, H, T, d] views of [1, T, H, d]: the layout a Hugging Face layer hands the kernels
+    packed = [torch.randn(1, total, heads, head_dim, generator=g).to(dtype).transpose(1, 2) for _ in range(3)]
+    padded = [torch.randn(batch_size, heads, max_length, head_dim, generator=g).to(dtype) for _ in range(3)]
     pad_mask = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None])[:, None, None, :]
-    kernels = packed_attention._KERNEL_FUNCTIONS
-    cases = {name: (lambda q, k, v, f=kernels[name]: f(q, k, v, cu_seqlens, max_length, None), packed)
-             for name in ("loop", "mask")}
-    cases["jagged"] = (lambda q, k, v: jagged_attention(q, k, v, lengths), packed)
-    cases["padded-512"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask), padded)
-    timings = {}
-    for name, (attend, inputs) in cases.items():
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up
+    kernels = packed_attention.KERNEL_FUNCTIONS
+    cases = {"loop": (kernels["loop"], packed),
+             f"grouped (waste {grouped_attention.MAX_WASTE})": (kernels["grouped"], packed)}
+    cases.update({f"grouped (waste {w})": (grouped_with_bound(w), packed) for w in WASTE_BOUNDS})
+    if slow:
+        cases["mask"] = (kernels["mask"], packed)
+        cases["jagged"] = (lambda q, k, v, *_: jagged_attention(q, k, v, lengths), packed)
+        cases["padded-512"] = (lambda q, k, v, *_: F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask), padded)
+    runs: dict[str, list[float]] = {name: [] for name in cases}
+    for repeat in range(repeats + 1):  # round robin, so that a load from elsewhere hits every kernel alike
+        for name, (attend, inputs) in cases.items():
             q, k, v = (x.detach().requires_grad_() for x in inputs)
             start = time.perf_counter()
-            attend(q, k, v).sum().backward()
-            runs.append(time.perf_counter() - start)
-        timings[name] = float(np.median(runs[1:]))
+            attend(q, k, v, cu_seqlens, max_length, None).sum().backward()
+            if repeat:  # the first round warms up
+                runs[name].append(time.perf_counter() - start)
+    timings = {name: float(np.median(r)) for name, r in runs.items()}
     return timings
 
 
+def table(batch_size: int, heads: int, head_dim: int, dtype: torch.dtype, timings: dict[str, float]) -> str:
+    lengths = imdb_like_lengths(batch_size)
+    cpu = cpu_identity()
+    groups = len(grouped_attention.length_groups(lengths))
+    lines = [f"CPU: {cpu['model']} ({cpu['capability']}), {torch.get_num_threads()} threads, "
+             f"torch {torch.__version__}",
+             "",
+             f"One attention call, forward + backward, {str(dtype).removeprefix('torch.')}, "
+             f"{heads} heads x {head_dim}, "
+             f"{batch_size} reviews (lengths mean {np.mean(lengths):.0f}, max {max(lengths)}; "
+             f"{groups} groups at the default waste bound {grouped_attention.MAX_WASTE}). Median of 5.",
+             "", "| kernel | ms | vs loop |", "|---|---:|---:|"]
+    lines += [f"| {name} | {s * 1e3:.1f} | {s / timings['loop']:.2f}x |" for name, s in timings.items()]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    lengths = imdb_like_lengths(12)
-    print(f"12 reviews, lengths mean {np.mean(lengths):.0f}, max {max(lengths)}; "
-          f"attention forward + backward, 12 heads x 32, {torch.get_num_threads()} threads")
-    for name, seconds in benchmark_kernels().items():
-        print(f"  {name:>10}: {seconds * 1e3:8.1f} ms")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--batch-size", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--fast", action="store_true", help="leave out mask, jagged and padded-512 (seconds each)")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    timings = benchmark_kernels(args.batch_size, args.heads, args.head_dim, dtype=dtype, slow=not args.fast)
+    print(table(args.batch_size, args.heads, args.head_dim, dtype, timings))

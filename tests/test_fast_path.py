@@ -149,6 +149,9 @@ def test_packed_and_device_batches_train_like_padded_ones(tiny_args, tmp_path, n
     packed = json.loads((runs["packed"] / "results.json").read_text())
     padded = json.loads((runs["padded"] / "results.json").read_text())
     assert packed["test_acc"] == padded["test_acc"]
+    choice = packed["pack_attention"]  # --pack-attention auto on a CPU: the faster of the probe's kernels
+    assert choice["kernel"] == min(choice["seconds"], key=choice["seconds"].get)
+    assert choice["shapes"]["heads"] > 0
     assert packed["test_loss"] == pytest.approx(padded["test_loss"], rel=1e-4)
     assert padded["padding_efficiency"] < packed["padding_efficiency"] < 1.0  # rounded up to multiples of 16
     assert json.loads((runs["packed_device"] / "results.json").read_text())["padding_efficiency"] == 1.0
@@ -158,14 +161,12 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     """Steps 9-16 (no log step among them) of the fast path, with AdamW, a cosine schedule and class
     weights: not one value read back from the device.
 
-    On the CPU the packed attention takes the block-diagonal mask kernel, the one that reads
-    nothing back (CUDA's varlen kernel reads nothing either; the CPU's eager loop kernel reads
-    each review's boundaries on the host, harmless there).
+    On the CPU the packed attention takes the block-diagonal mask kernel (--pack-attention mask),
+    the one that reads nothing back (CUDA's varlen kernel reads nothing either; the CPU's loop and
+    grouped kernels read each review's boundaries on the host, harmless there).
     """
     from fastpt.machinery.bookkeeping import Bookkeeping
-    from fastpt.speedups import packed_attention
 
-    monkeypatch.setattr(packed_attention, "packed_attention_kernel", lambda *args, **kwargs: "mask")
     all_ops = []
     original, original_log = Bookkeeping.after_step, Bookkeeping.log
 
@@ -188,7 +189,8 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Bookkeeping, "after_step", after_step)
     monkeypatch.setattr(Bookkeeping, "log", log)
-    flags = ("--pack", "--data-on-device", "--fused-adam", "--max-grad-norm", "1.0", "--batch-size", "4",
+    flags = ("--pack", "--pack-attention", "mask", "--data-on-device", "--fused-adam", "--max-grad-norm", "1.0",
+             "--batch-size", "4",
              "--log-every", "1000", "--max-steps", "20", "--epochs", "1",
              # the Trainer-style settings add no read either: AdamW's groups, the schedule, the loss's weights
              "--optimizer", "adamw", "--weight-decay", "0.01", "--lr-schedule", "cosine", "--warmup-steps", "3",
@@ -196,3 +198,5 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     assert main(tiny_args(*flags, out=tmp_path / "run")) == 0
     assert len(all_ops) > 500  # the mode saw the steps: forward, backward, clipping, Adam, the batch gather
     assert reads.seen == []
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["pack_attention"] == {"kernel": "mask", "source": "--pack-attention"}  # the flag reached it

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack-multiple", type=int, default=None,
                    help="with --pack: round each batch's token count up to a multiple of N "
                         "(few shapes for CUDA graphs); at most --max-length")
+    g.add_argument("--pack-attention", default=None, choices=CHOICES["pack_attention"],
+                   help="with --pack: the attention kernel; auto (default): on a CPU the faster of loop and grouped, "
+                        "measured once per machine; on CUDA FlashAttention's varlen (fp16/bf16), else loop or mask")
     g.add_argument("--data-on-device", action="store_true",
                    help="keep the tokenised splits on the device and gather batches there (no workers, no copies)")
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,

@@ -123,6 +123,8 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         # Mean over the last epoch's steps of max / mean tokens per rank: every step waits for the fullest rank.
         "rank_token_imbalance": data.rank_token_imbalance(loaders.train_sampler, data.computed_tokens(cfg)),
         **metrics.rate_results(bookkeeping.meter, dist.world_size, bookkeeping.resumed_at_step),
+        # The packed attention kernel and how it was chosen (a CPU's probe: each kernel's seconds, the shapes).
+        "pack_attention": getattr(strategy.module, "kernel_choice", None) if cfg.pack else None,
         "peak_memory_bytes": metrics.peak_memory_bytes(dist.device),
         "memory_per_rank": distributed.all_gather_object(strategy.memory_report()),  # list, by rank
         "strategy": strategy.name, "world_size": dist.world_size, "device": str(dist.device),

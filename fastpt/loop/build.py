@@ -194,9 +194,9 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         from fastpt.speedups.dropout import apply_cheap_dropout
         model = apply_cheap_dropout(model)
     if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
-        from fastpt.speedups.packed_attention import packed_attention_kernel
         from fastpt.speedups.packing import PackedClassifier
-        model = PackedClassifier(model, packed_attention_kernel(device.type, cfg.compile, cfg.amp))
+        choice = pack_attention_choice(cfg, dist, model)
+        model = PackedClassifier(model, choice["kernel"], choice=choice)
     # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer, schedule (strategies/base.py)
     batches_per_epoch = inputs.train_examples_used(cfg, dist.world_size) // loaders.train_sampler.global_batch_size
     strategy.setup(model, training_steps=total_steps(cfg, batches_per_epoch))
@@ -234,6 +234,26 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         stopper.uninstall()
         strategy.close()
         tracker.close()
+
+
+def pack_attention_choice(cfg, dist, model) -> dict:
+    """{"kernel", "source", and on a CPU under auto the probe's "seconds" and "shapes"}: --pack-attention,
+    else on a CPU the faster kernel measured on this machine (attention_probe.py), else CUDA's rule."""
+    from fastpt.speedups.packed_attention import packed_attention_kernel
+    if cfg.pack_attention != "auto":
+        return {"kernel": cfg.pack_attention, "source": "--pack-attention"}
+    if dist.device.type != "cpu":
+        return {"kernel": packed_attention_kernel(dist.device.type, cfg.compile, cfg.amp),
+                "source": "packed_attention_kernel's rule for this device"}
+    from fastpt.speedups import attention_probe
+    c = model.config
+    heads = getattr(c, "n_heads", None) or c.num_attention_heads
+    distributed.barrier()  # the ranks of one host probe together, sharing its cores as their steps will
+    found = attention_probe.measured_kernel(getattr(torch, cfg.amp_dtype) if cfg.amp else torch.float32, heads,
+                                            metrics.model_shape(model)[1] // heads, cfg.batch_size, cfg.max_length,
+                                            Path(cfg.cache_dir) if cfg.cache_dir else None, dist.local_world_size)
+    found = distributed.broadcast_object(found)  # every rank runs rank 0's choice
+    return {k: found[k] for k in ("kernel", "source", "seconds", "shapes")}
 
 
 def device_peak(cfg, dist, hidden: int) -> dict:

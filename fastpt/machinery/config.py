@@ -37,6 +37,7 @@ CHOICES = {
     "compile_mode": ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"),  # see compile.py
     "compile_scope": ("layers", "whole"),  # see compile.py
     "attn_implementation": ("sdpa", "eager"),
+    "pack_attention": ("auto", "loop", "grouped", "mask"),  # see packed_attention.py, attention_probe.py
     "strategy": ("single",) + STRATEGIES,
     "zero_stage": (1, 2, 3),
     "optimizer": ("adam", "adamw"),
@@ -50,6 +51,7 @@ NEEDS = {
     "compile_mode": ("--compile", lambda c: c.get("compile")),
     "compile_scope": ("--compile", lambda c: c.get("compile")),
     "bucket_multiplier": ("--bucket", lambda c: c.get("bucket")),
+    "pack_attention": ("--pack", lambda c: c.get("pack")),
     "zero_stage": ("--deepspeed", lambda c: c.get("strategy") == "deepspeed"),
     "deepspeed_config": ("--deepspeed", lambda c: c.get("strategy") == "deepspeed"),
     "fsdp_reshard_after_forward": ("--fsdp", lambda c: c.get("strategy") == "fsdp"),
@@ -136,6 +138,7 @@ class TrainConfig:
     bucket_multiplier: int = 50
     pack: bool = False
     pack_multiple: Optional[int] = None
+    pack_attention: str = "auto"  # the packed attention kernel; auto: measured on a CPU (attention_probe.py)
     data_on_device: bool = False
     eval_batch_size: int = 128
 
@@ -230,6 +233,8 @@ class TrainConfig:
             raise ValueError("--pack leaves no padding for --bucket to remove; use one of them")
         if self.pack and self.attn_implementation != "sdpa":
             raise ValueError("--pack brings its own attention kernel; drop --attn-implementation")
+        if self.pack_attention != "auto" and not self.pack:
+            raise ValueError("--pack-attention needs --pack")
         if self.pack_multiple is not None and not self.pack:
             raise ValueError("--pack-multiple needs --pack")
         if self.pack_multiple is not None and self.pack_multiple > self.max_length:

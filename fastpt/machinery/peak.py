@@ -109,10 +109,9 @@ def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_r
            "dtype": str(dtype).removeprefix("torch."), "shapes": probe_shapes(hidden)}
     path = None
     if cache_root is not None:
-        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        path = Path(cache_root) / "peak" / f"peak-{digest}.json"
-        cached = _read(path, key)
-        if cached is not None:
+        path = cache_path(cache_root, "peak", key)
+        cached = read_cached(path, key)
+        if cached is not None and positive_number(cached.get("flops_per_s")):
             return {**cached, "source": f"measured earlier on this machine ({path})"}
     rates = []
     for m, k, n in key["shapes"]:
@@ -120,24 +119,36 @@ def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_r
         rates.append({"mnk": [rows, k, n], "flops_per_s": rate})
     found = {"key": key, "flops_per_s": max(r["flops_per_s"] for r in rates), "dtype": key["dtype"], "shapes": rates}
     if path is not None:
-        _write(path, found)
+        write_cached(path, found)
     return {**found, "source": "measured at the start of this run"}
 
 
-def _read(path: Path, key: dict) -> Optional[dict]:
-    """The cached figure if this user wrote it, it parses and it was measured for exactly `key`."""
+def read_cached(path: Path, key: dict) -> Optional[dict]:
+    """The cached JSON object if this user wrote it, it parses and it was measured for exactly `key`
+    (the caller checks its figures). JSON only: reading a cache never runs code."""
     try:
         if path.stat().st_uid != os.getuid():
             return None
         found = json.loads(path.read_text())
-        if found.get("key") != json.loads(json.dumps(key)) or not float(found["flops_per_s"]) > 0:
+        if not isinstance(found, dict) or found.get("key") != json.loads(json.dumps(key)):
             return None
         return found
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 
-def _write(path: Path, found: dict) -> None:
+def positive_number(x) -> bool:
+    """Whether a value read from JSON is a finite number > 0 (not a string, a list, NaN, a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+
+
+def cache_path(cache_root: Path, folder: str, key: dict) -> Path:
+    """`<cache root>/<folder>/<folder>-<digest of key>.json`."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_root) / folder / f"{folder}-{digest}.json"
+
+
+def write_cached(path: Path, found: dict) -> None:
     """Atomically (ranks may write the same file at once); a cache that cannot be written is skipped."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

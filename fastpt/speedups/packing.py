@@ -28,7 +28,9 @@ What it costs:
   (which reads token 0 of each row). Its state dict is the plain model's, key for key.
 
 The attention kernels (`packed_attention.py`: FlashAttention's varlen on CUDA, a per-review
-loop of SDPA calls, a block-diagonal mask), all exact; `packed_attention_kernel` picks one.
+loop of SDPA calls, reviews grouped by length (grouped_attention.py), a block-diagonal mask), all
+exact; `--pack-attention` picks one, by default measured on a CPU (attention_probe.py) and by
+`packed_attention_kernel`'s rule on CUDA.
 
 Lightning has no flag for this. In Hugging Face it is `DataCollatorWithFlattening` (padding-free
 training: one row, `position_ids` restarting per example) with a flash-attention implementation.
@@ -109,9 +111,11 @@ class PackedClassifier(nn.Module):
     and its `state_dict()` has exactly the model's keys: checkpoints saved from it load into a
     plain `AutoModelForSequenceClassification`.
     This module, not the Hugging Face one, is what gets compiled and wrapped in DDP.
+    `kernel` is one of packed_attention.KERNELS; `choice` says how it was chosen (--pack-attention,
+    or attention_probe.py's figures), for results.json.
     """
 
-    def __init__(self, model: nn.Module, kernel: str = "loop"):
+    def __init__(self, model: nn.Module, kernel: str = "loop", choice: dict | None = None):
         super().__init__()
         if model.config.model_type not in PACKED_MODELS:
             raise ValueError(f"packed batches support {', '.join(PACKED_MODELS)} models, "
@@ -122,6 +126,7 @@ class PackedClassifier(nn.Module):
         for name, child in model.named_children():
             self.add_module(name, child)
         self.config, self.kernel = model.config, kernel
+        self.kernel_choice = choice or {"kernel": kernel}  # how it was chosen (results.json's pack_attention)
         self.encoder_name = model.base_model_prefix
 
     def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
