@@ -88,8 +88,8 @@ def report(grid: list, multipliers: list, preset: str, argv: list, padding: list
     for seed in seeds:
         cells = [f"{acc[(seed, key)]:.2f}" if (seed, key) in acc else "failed / not run" for key, _, _ in configs]
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
-    lines.append("| mean ± sd | " + " | ".join(_mean_sd([acc[(s, key)] for s in seeds if (s, key) in acc])
-                                              for key, _, _ in configs) + " |")
+    means = [_mean_sd([acc[(s, key)] for s in seeds if (s, key) in acc]) for key, _, _ in configs]
+    lines.append("| mean ± sd | " + " | ".join(means) + " |")
 
     summary = ["| configuration | runs | test acc (%) | difference from plain, per seed (points) "
                "| best val acc (%) | padding efficiency | train time (min) |", "|---|---:|---:|---|---:|---:|---:|"]

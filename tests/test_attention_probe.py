@@ -108,6 +108,17 @@ def test_auto_measures_on_a_cpu_with_the_models_heads(tmp_path, monkeypatch):
     assert seen == {"heads": 4, "head_dim": 8, "dtype": torch.float32, "longest": 48, "reviews": 6}
 
 
+def test_a_resumed_run_keeps_the_kernel_it_started_with_on_the_same_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(attention_probe, "time_kernel", lambda kernel, *shape: {"loop": 1.0, "grouped": 2.0}[kernel])
+    cfg = parse_args(["--pack", "--batch-size", "6", "--max-length", "48", "--cache-dir", str(tmp_path)])
+    started = {"progress": {}, "pack_attention": {"kernel": "grouped", "device": "cpu"}}  # last.pt's record
+    assert pack_attention_choice(cfg, CPU, tiny_bert(), started) == {
+        "kernel": "grouped", "source": "last.pt: the kernel the run started with"}  # not the probe's loop
+    started["pack_attention"]["device"] = "cuda"  # another kind of device: choose again
+    assert pack_attention_choice(cfg, CPU, tiny_bert(), started)["kernel"] == "loop"
+    assert pack_attention_choice(cfg, CPU, tiny_bert(), {"progress": {}})["kernel"] == "loop"  # an older last.pt
+
+
 def test_the_flag_needs_pack_and_a_known_kernel(capsys):
     with pytest.raises(ValueError, match="--pack-attention needs --pack"):
         parse_args(["--pack-attention", "grouped"])

@@ -139,7 +139,7 @@ def test_packed_and_device_batches_train_like_padded_ones(tiny_args, tmp_path, n
     common = ("--epochs", "1", "--log-every", "1", "--lr", "1e-3")
     runs = {name: tmp_path / name for name in ("padded", "packed", "packed_device", "padded_device")}
     assert main(tiny_args(*common, out=runs["padded"])) == 0
-    assert main(tiny_args(*common, "--pack", "--pack-multiple", "16", out=runs["packed"])) == 0
+    assert main(tiny_args(*common, "--pack", "--pack-multiple", "16", "--save-every", "2", out=runs["packed"])) == 0
     assert main(tiny_args(*common, "--pack", "--data-on-device", out=runs["packed_device"])) == 0
     assert main(tiny_args(*common, "--data-on-device", "--pad-to", "longest", out=runs["padded_device"])) == 0
     reference = torch.tensor(tb_losses(runs["padded"]))
@@ -152,6 +152,9 @@ def test_packed_and_device_batches_train_like_padded_ones(tiny_args, tmp_path, n
     choice = packed["pack_attention"]  # --pack-attention auto on a CPU: the faster of the probe's kernels
     assert choice["kernel"] == min(choice["seconds"], key=choice["seconds"].get)
     assert choice["shapes"]["heads"] > 0
+    from fastpt.machinery import checkpoint
+    saved = checkpoint.load(runs["packed"] / "checkpoints" / "last.pt")["pack_attention"]
+    assert saved == {"kernel": choice["kernel"], "device": "cpu"}  # what a resumed run keeps
     assert packed["test_loss"] == pytest.approx(padded["test_loss"], rel=1e-4)
     assert padded["padding_efficiency"] < packed["padding_efficiency"] < 1.0  # rounded up to multiples of 16
     assert json.loads((runs["packed_device"] / "results.json").read_text())["padding_efficiency"] == 1.0

@@ -47,6 +47,9 @@ def save_last(ckpt_dir: Path, cfg, dist, strategy, bookkeeping, record: RunRecor
             "progress": {**bookkeeping.progress(), "val_time_s": record.val_time_s,
                          "val_compile_s": record.val_compile_s, "examples_in_epoch": examples_in_epoch},
             "batch_size_flag": record.batch_size_flag,
+            # --pack-attention auto's kernel: a resumed run keeps it (loop/build.py:pack_attention_choice)
+            "pack_attention": ({"kernel": getattr(strategy.module, "kernel", None), "device": dist.device.type}
+                               if cfg.pack else None),
             "early_stopping": record.early_stopping.state_dict(),
             "best": record.best.state_dict(),
             "history": record.history,

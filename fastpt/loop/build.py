@@ -195,7 +195,7 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         model = apply_cheap_dropout(model)
     if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
         from fastpt.speedups.packing import PackedClassifier
-        choice = pack_attention_choice(cfg, dist, model)
+        choice = pack_attention_choice(cfg, dist, model, resume_state)
         model = PackedClassifier(model, choice["kernel"], choice=choice)
     # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer, schedule (strategies/base.py)
     batches_per_epoch = inputs.train_examples_used(cfg, dist.world_size) // loaders.train_sampler.global_batch_size
@@ -236,12 +236,17 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         tracker.close()
 
 
-def pack_attention_choice(cfg, dist, model) -> dict:
+def pack_attention_choice(cfg, dist, model, resume_state: dict | None = None) -> dict:
     """{"kernel", "source", and on a CPU under auto the probe's "seconds" and "shapes"}: --pack-attention,
-    else on a CPU the faster kernel measured on this machine (attention_probe.py), else CUDA's rule."""
+    else on a CPU the faster kernel measured on this machine (attention_probe.py), else CUDA's rule.
+    A resumed run keeps the kernel its last.pt was trained with on the same kind of device: the kernels
+    agree only to rounding, and another machine's probe could choose differently (not bitwise then)."""
     from fastpt.speedups.packed_attention import packed_attention_kernel
     if cfg.pack_attention != "auto":
         return {"kernel": cfg.pack_attention, "source": "--pack-attention"}
+    chosen = (resume_state or {}).get("pack_attention") or {}
+    if chosen.get("device") == dist.device.type:
+        return {"kernel": chosen["kernel"], "source": "last.pt: the kernel the run started with"}
     if dist.device.type != "cpu":
         return {"kernel": packed_attention_kernel(dist.device.type, cfg.compile, cfg.amp),
                 "source": "packed_attention_kernel's rule for this device"}
