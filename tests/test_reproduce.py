@@ -209,3 +209,18 @@ def test_compare_peers_runs_a_peer_once_for_configurations_that_differ_only_in_f
         else:
             job.results, job.wall_s = {"train_time_s": float(len(job.command))}, 1.0
     assert all(j.results is (j.same_as or j).results and j.wall_s == 1.0 for j in jobs)
+
+
+def test_the_peers_train_a_pretrained_model_in_train_mode(imdb_dir, cache_dir, tmp_path, monkeypatch):
+    """from_pretrained returns a model in eval mode and Lightning >= 2.2 no longer calls .train() at fit:
+    the peers set it themselves, or they would train with every dropout off (and faster for it)."""
+    sys.path.insert(0, str(ROOT / "scripts" / "peers"))
+    import common
+
+    loaded = common.load_model
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: loaded(*a, **k).eval())  # as from_pretrained
+    args = common.build_parser("test").parse_args(
+        ["--model", "tiny", "--max-length", "32", "--train-size", "24", "--val-size", "8", "--test-size", "8",
+         "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--out", str(tmp_path / "out")])
+    model, _, _ = common.build_inputs(args, 0, 1)
+    assert all(m.training for m in model.modules())

@@ -84,7 +84,10 @@ def build_inputs(args, rank: int, world_size: int):
     """(model, loaders, train_sampler) as fastpt's loop/build.py:build_loaders makes them (pad to max_length)."""
     seed_everything(args.seed)  # identical initial weights on every rank, as in fastpt
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, args.random_init)
+    # Train mode, as fastpt's loop sets it: from_pretrained returns a model in eval mode, and since 2.2
+    # Lightning's fit loop keeps each module's mode instead of calling .train() as the articles' Lightning
+    # did (2.0): without this the Lightning side trained a pretrained model with every dropout off.
+    model = load_model(args.model, args.random_init).train()
     splits = load_splits(args, tokenizer, rank)
     torch.manual_seed(args.seed + rank)  # fastpt's dropout seed, per rank, set after the model is built
     collate = data.Collator(tokenizer.pad_token_id or 0, "max_length", args.max_length)
