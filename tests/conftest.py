@@ -59,6 +59,25 @@ def fastpt_frames(output: str) -> list[str]:
     return [str(f) for f in frames if f.is_relative_to(ROOT / "fastpt") or f == ROOT / "train.py"]
 
 
+@pytest.fixture(autouse=True)
+def python_signal_handlers(request):
+    """Each test starts with Python's own SIGINT / SIGTERM handlers and leaves them so. A test that
+    changed them (a library's worker set-up, a run that ended in an odd state) would otherwise leak
+    the change into every later test; this one is named on stderr, and the handlers are put back."""
+    import signal
+
+    own = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    for sig, handler in own.items():
+        signal.signal(sig, handler)
+    yield
+    changed = [sig.name for sig, handler in own.items() if signal.getsignal(sig) is not handler]
+    if changed:
+        print(f"\nnote: {request.node.nodeid} left {', '.join(changed)} handled otherwise; put back",
+              file=sys.__stderr__, flush=True)
+        for sig, handler in own.items():
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session")
 def imdb_dir(tmp_path_factory) -> Path:
     """A data dir holding a tiny aclImdb_v1.tar.gz (160 reviews: 112 train, 16 val, 32 test)."""
