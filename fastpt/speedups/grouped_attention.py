@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastpt.speedups.custom_ops import connect_backward
+
 MAX_WASTE = 0.25  # padded attention work of a group over its exact work, at most 1 + this
 
 
@@ -175,21 +177,7 @@ def attend_grouped_reviews_backward(grad: torch.Tensor, query: torch.Tensor, key
     return results
 
 
-@attend_grouped_reviews_backward.register_fake
-def _(grad, query, key, value, cu_seqlens, out, lse, scaling):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
-
-
-def _save_inputs(ctx, inputs, output):
-    query, key, value, cu_seqlens, ctx.scaling = inputs
-    ctx.save_for_backward(query, key, value, cu_seqlens, *output)
-
-
-def _backward(ctx, grad, grad_lse):
-    return *attend_grouped_reviews_backward(grad, *ctx.saved_tensors, ctx.scaling), None, None
-
-
-attend_grouped_reviews.register_autograd(_backward, setup_context=_save_inputs)
+connect_backward(attend_grouped_reviews, attend_grouped_reviews_backward)
 
 
 def grouped_attention(query, key, value, cu_seqlens, max_seqlen, scaling):

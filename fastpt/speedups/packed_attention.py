@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpt.speedups.custom_ops import connect_backward
 from fastpt.speedups.grouped_attention import grouped_attention
 
 PACKED_ATTENTION = "fastpt_packed"
@@ -118,21 +119,7 @@ def attend_each_review_backward(grad: torch.Tensor, query: torch.Tensor, key: to
     return tuple(g.contiguous() for g in pullback(grad))  # the strides the shape rule below promises
 
 
-@attend_each_review_backward.register_fake
-def _(grad, query, key, value, cu_seqlens, out, lse, scaling):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
-
-
-def _save_inputs(ctx, inputs, output):
-    query, key, value, cu_seqlens, ctx.scaling = inputs
-    ctx.save_for_backward(query, key, value, cu_seqlens, *output)
-
-
-def _backward(ctx, grad, grad_lse):
-    return *attend_each_review_backward(grad, *ctx.saved_tensors, ctx.scaling), None, None
-
-
-attend_each_review.register_autograd(_backward, setup_context=_save_inputs)
+connect_backward(attend_each_review, attend_each_review_backward)
 
 
 def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
