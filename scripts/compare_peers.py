@@ -5,6 +5,8 @@
     python scripts/compare_peers.py --preset article --nproc 4 --configs fp16,ddp-fp16   # GPUs
     python scripts/compare_peers.py --preset goal --frameworks fastpt,lightning --repeats 1
         # 512 tokens: fastpt's own flags (--pack, --fused-adam, --compile) against Lightning at the same precision
+    python scripts/compare_peers.py --preset goal --frameworks fastpt,lightning --before 9bc6df2 --repeats 1
+        # the same, with fastpt as it was at an earlier commit beside it (row "fastpt-before")
 
 Configurations named after a precision alone give every framework the same work; those with more
 in their name (fp32-pack, bf16-pack-compile) add fastpt's own speed-ups, and the peers run the
@@ -21,6 +23,11 @@ All three measure time the same way (fastpt's): `train_time_s` = training + vali
 every epoch, without setup, checkpoint writing or the test; samples/s over the training
 steps after 3 warm-up steps. "process wall" is the whole process, imports included.
 
+`--before COMMIT` adds the row `fastpt-before`: this repository's `train.py` as it was at COMMIT
+(`git archive` into the runs folder), run with the same flags, interleaved with the others: a
+before/after table measured on one machine in one run. Every fastpt run with `--compile` starts
+from an empty Inductor cache of its own, so compilation is always counted in full.
+
 Lightning and accelerate are optional: `pip install '.[peers]'` (or `-r requirements-peers.txt`).
 Without one, its rows are reported as not run.
 """
@@ -33,6 +40,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,7 +52,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reproduce import ROOT, cpu_count, data_args, default_data_dir, machine  # noqa: E402
 
-FRAMEWORKS = ("fastpt", "lightning", "accelerate", "bare")
+FRAMEWORKS = ("fastpt", "fastpt-before", "lightning", "accelerate", "bare")
 PEER_SCRIPTS = {"lightning": "scripts/peers/lightning_ref.py", "accelerate": "scripts/peers/accelerate_ref.py",
                 "bare": "scripts/peers/bare_loop.py"}
 
@@ -113,10 +121,15 @@ class Job:
     wall_s: Optional[float] = None
     error: str = ""
     same_as: Optional["Job"] = None  # a peer's run shared by configurations that differ only in fastpt's flags
+    cwd: Path = ROOT  # the tree the command runs in (fastpt-before: the earlier commit's)
+
+
+def is_fastpt(framework: str) -> bool:
+    return framework in ("fastpt", "fastpt-before")
 
 
 def launcher(framework: str, procs: int, on_cuda: bool) -> list:
-    script = "train.py" if framework == "fastpt" else PEER_SCRIPTS[framework]
+    script = "train.py" if is_fastpt(framework) else PEER_SCRIPTS[framework]
     if procs == 1:
         return [sys.executable, script]
     if framework == "accelerate" and on_cuda:
@@ -126,8 +139,22 @@ def launcher(framework: str, procs: int, on_cuda: bool) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", script]
 
 
+def earlier_tree(commit: str, runs_dir: Path) -> Path:
+    """This repository's files at `commit`, unpacked under runs_dir (once per commit)."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()
+    if not sha:
+        raise ValueError(f"--before {commit!r} is not a commit of this repository")
+    tree = runs_dir / f"fastpt-{sha[:12]}"
+    if not (tree / "train.py").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
 def plan(preset: str, config_keys: list, frameworks: list, repeats: int, nproc: int, data_args: list,
-         runs_dir: Path, on_cuda: bool) -> list:
+         runs_dir: Path, on_cuda: bool, before: Optional[Path] = None) -> list:
     """Jobs in interleaved order: for each repeat, for each configuration, every framework in turn."""
     workload = list(PRESETS[preset][1])
     jobs = []
@@ -141,11 +168,12 @@ def plan(preset: str, config_keys: list, frameworks: list, repeats: int, nproc: 
                 if framework == "bare" and config.multi_process:
                     continue
                 out = runs_dir / key / framework / f"rep{repeat}"
-                extra = (list(config.fastpt_flags) + ["--overwrite", "--no-progress"] if framework == "fastpt"
+                extra = (list(config.fastpt_flags) + ["--overwrite", "--no-progress"] if is_fastpt(framework)
                          else ["--precision", config.precision])
                 command = [*launcher(framework, procs, on_cuda), *workload, *data_args, *extra, "--out", str(out)]
-                job = Job(config, framework, repeat, command, out, procs, threads)
-                if framework != "fastpt":
+                job = Job(config, framework, repeat, command, out, procs, threads,
+                          cwd=before if framework == "fastpt-before" else ROOT)
+                if not is_fastpt(framework):
                     job.same_as = peer_runs.setdefault((framework, config.precision, procs), job)
                     job.same_as = None if job.same_as is job else job.same_as
                 jobs.append(job)
@@ -163,10 +191,13 @@ def execute(job: Job) -> None:
         env["OMP_NUM_THREADS"] = str(job.threads or max(1, cpu_count() // job.procs))
     (job.out / "results.json").unlink(missing_ok=True)
     job.out.mkdir(parents=True, exist_ok=True)
+    if "--compile" in job.command:  # a cold start every time: compilation counted in full
+        shutil.rmtree(job.out / "inductor-cache", ignore_errors=True)
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(job.out / "inductor-cache")
     print(f"[{job.config.key} {job.framework} #{job.repeat + 1}] {shlex.join(job.command)}", flush=True)
     start = time.perf_counter()
     with open(job.out / "run.log", "w") as log:
-        code = subprocess.call(job.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        code = subprocess.call(job.command, cwd=job.cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     job.wall_s = time.perf_counter() - start
     if code == 0 and (job.out / "results.json").exists():
         job.results = json.loads((job.out / "results.json").read_text())
@@ -274,13 +305,17 @@ def verdict(rows: dict) -> str:
     return "Verdict: " + ("; ".join(parts) if parts else "no peer results.")
 
 
-def report(summary: dict, preset: str, argv: list, repeats: int, nproc: int, versions: dict) -> str:
+def report(summary: dict, preset: str, argv: list, repeats: int, nproc: int, versions: dict,
+           before: Optional[Path] = None) -> str:
     lines = [f"# fastpt vs Lightning vs accelerate, preset `{preset}`", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}",
              f"- machine: {machine()}",
              f"- command: `python scripts/compare_peers.py {shlex.join(argv)}`",
              f"- workload: {PRESETS[preset][0]}: `{' '.join(PRESETS[preset][1])}`",
              f"- versions: {', '.join(f'{k} {v}' for k, v in versions.items())}",
+             *([f"- fastpt-before: train.py at {described(before)}; fastpt: at {described(ROOT)}"] if before else []),
+             "- every fastpt `--compile` run starts from an empty Inductor cache of its own: "
+             "compilation counted in full",
              f"- {repeats} repeat(s), interleaved; each cell is the median (single runs in brackets); "
              f"DDP rows: {nproc} processes; CPU threads per process (same for every framework): "
              f"{os.environ.get('OMP_NUM_THREADS') or THREADS.get(preset) or 'cores / processes'}.",
@@ -293,6 +328,18 @@ def report(summary: dict, preset: str, argv: list, repeats: int, nproc: int, ver
     for key, rows in summary.items():
         lines += config_table(key, rows)
     return "\n".join(lines)
+
+
+def described(tree: Path) -> str:
+    """`9bc6df2 (2026-12-02)` for an unpacked commit; the working tree's HEAD (and `+ changes`) for ROOT."""
+    if tree != ROOT:
+        sha = tree.name.split("-")[1]
+        date = subprocess.run(["git", "log", "-1", "--format=%cs", sha], cwd=ROOT, capture_output=True, text=True)
+        return f"commit {sha[:7]} ({date.stdout.strip()})"
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return f"commit {head.stdout.strip()}" + (" with uncommitted changes" if dirty else "")
 
 
 def versions() -> dict:
@@ -320,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--runs-dir", default=None, help="default: runs/compare-peers-<preset>")
     p.add_argument("--report-dir", default=str(ROOT / "scripts" / "results"))
+    p.add_argument("--before", default=None, metavar="COMMIT",
+                   help="also run train.py as it was at COMMIT (frameworks gain fastpt-before)")
     return p
 
 
@@ -344,19 +393,32 @@ def main(argv=None) -> int:
     data_dir = args.data_dir or default_data_dir()
     data_flags = data_args(data_dir, args.cache_dir)
     runs_dir = Path(args.runs_dir or ROOT / "runs" / f"compare-peers-{args.preset}").resolve()
-    jobs = plan(args.preset, config_keys, frameworks, args.repeats, nproc, data_flags, runs_dir, on_cuda)
+    before = None
+    if args.before:
+        try:
+            before = earlier_tree(args.before, runs_dir)
+        except (ValueError, subprocess.CalledProcessError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if "fastpt-before" not in frameworks:
+            frameworks.insert(1, "fastpt-before")
+    elif "fastpt-before" in frameworks:
+        print("error: the framework fastpt-before needs --before COMMIT", file=sys.stderr)
+        return 2
+    jobs = plan(args.preset, config_keys, frameworks, args.repeats, nproc, data_flags, runs_dir, on_cuda, before)
     for job in jobs:
         execute(job)
     workload = PRESETS[args.preset][1]
     batch_size = int(workload[workload.index("--batch-size") + 1]) if "--batch-size" in workload else 12
     summary = summarise(jobs, batch_size)
-    md = report(summary, args.preset, argv, args.repeats, nproc, versions())
+    md = report(summary, args.preset, argv, args.repeats, nproc, versions(), before)
     report_dir = Path(args.report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / f"compare-peers-{args.preset}.md").write_text(md)
+    name = f"compare-peers-{args.preset}" + (f"-before-{before.name.split('-')[1][:7]}" if before else "")
+    (report_dir / f"{name}.md").write_text(md)
     (runs_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(md)
-    print(f"written: {report_dir / f'compare-peers-{args.preset}.md'}")
+    print(f"written: {report_dir / f'{name}.md'}")
     return 0 if all(job.results for job in jobs) else 1
 
 

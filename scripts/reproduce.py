@@ -233,7 +233,23 @@ def machine() -> str:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {cpu_count()} cores; {gpus}; {platform.system()} {platform.release()}; torch {torch.__version__}"
+    return (f"{cpu}, {cpu_count()} cores ({cpu_flags()}); {gpus}; {platform.system()} {platform.release()}; "
+            f"torch {torch.__version__}")
+
+
+def cpu_flags() -> str:
+    """The CPU's vector and matrix units as Linux names them, and what torch's CPU kernels use:
+    `flags avx2 fma f16c, no avx512 / amx; torch's CPU capability AVX2` (bfloat16 emulated there)."""
+    import torch
+
+    try:
+        flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = []
+    shown = [f for f in flags if f in ("avx2", "fma", "f16c") or f.startswith(("avx512", "amx", "avx_vnni"))]
+    missing = [unit for unit in ("avx512", "amx") if not any(f.startswith(unit) for f in flags)]
+    return (f"flags {' '.join(shown) or 'unknown'}" + (f", no {' / '.join(missing)}" if missing and flags else "")
+            + f"; torch's CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 
 def report(runs: list, preset_name: str, argv: list, nproc: int) -> str:
@@ -323,9 +339,11 @@ def default_data_dir() -> Optional[str]:
 
 
 def data_args(data_dir: Optional[str], cache_dir: Optional[str]) -> list:
-    """train.py's --data-dir / --cache-dir for the runs a script launches (data_dir defaults as above)."""
+    """train.py's --data-dir / --cache-dir for the runs a script launches (data_dir defaults as above),
+    as absolute paths: a run may start in another folder (compare_peers.py --before)."""
     data_dir = data_dir or default_data_dir()
-    return (["--data-dir", data_dir] if data_dir else []) + (["--cache-dir", cache_dir] if cache_dir else [])
+    return ((["--data-dir", str(Path(data_dir).resolve())] if data_dir else [])
+            + (["--cache-dir", str(Path(cache_dir).resolve())] if cache_dir else []))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -211,6 +211,34 @@ def test_compare_peers_runs_a_peer_once_for_configurations_that_differ_only_in_f
     assert all(j.results is (j.same_as or j).results and j.wall_s == 1.0 for j in jobs)
 
 
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git history of this checkout")
+def test_compare_peers_before_runs_the_earlier_commits_train_py_with_the_same_flags(tmp_path):
+    import compare_peers
+
+    with pytest.raises(ValueError, match="not a commit"):
+        compare_peers.earlier_tree("no-such-commit", tmp_path)
+    tree = compare_peers.earlier_tree("HEAD", tmp_path)
+    committed = subprocess.run(["git", "show", "HEAD:train.py"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert (tree / "train.py").read_text() == committed and (tree / "fastpt" / "__init__.py").exists()
+    jobs = compare_peers.plan("smoke", ["fp32-pack-compile"], ["fastpt", "fastpt-before"], 1, 2, [], tmp_path,
+                              on_cuda=False, before=tree)
+    now, then = jobs
+    assert (now.cwd, then.cwd) == (ROOT, tree)
+    assert then.command[1:] == [*now.command[1:-1], str(tmp_path / "fp32-pack-compile" / "fastpt-before" / "rep0")]
+
+    # a compiled run starts from an empty Inductor cache of its own, in whichever tree it runs
+    write_env = ("import json, os, sys; from pathlib import Path; d = os.environ['TORCHINDUCTOR_CACHE_DIR']; "
+                 "Path(sys.argv[-1], 'results.json').write_text(json.dumps({'cache': d, 'files': os.listdir(d) "
+                 "if os.path.isdir(d) else [], 'cwd': os.getcwd(), 'train_time_s': 1, 'samples_per_s': 1}))")
+    for job in jobs:
+        (job.out / "inductor-cache").mkdir(parents=True)
+        (job.out / "inductor-cache" / "left-over").write_text("")
+        job.command = [sys.executable, "-c", write_env, "--compile", str(job.out)]
+        compare_peers.execute(job)
+        assert job.results == {"cache": str(job.out / "inductor-cache"), "files": [], "cwd": str(job.cwd),
+                               "train_time_s": 1, "samples_per_s": 1}
+
+
 def test_the_peers_train_a_pretrained_model_in_train_mode(imdb_dir, cache_dir, tmp_path, monkeypatch):
     """from_pretrained returns a model in eval mode and Lightning >= 2.2 no longer calls .train() at fit:
     the peers set it themselves, or they would train with every dropout off (and faster for it)."""
