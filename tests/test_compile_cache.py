@@ -70,6 +70,19 @@ def test_the_compile_clock_reports_this_runs_cache_events(monkeypatch):
                            "autograd_hit": 0, "autograd_miss": 0, "autograd_bypass": 1}
 
 
+def test_the_compile_clock_reports_torchs_own_compile_time_of_this_run(monkeypatch):
+    from torch._dynamo.utils import cumulative_time_spent_ns
+
+    monkeypatch.setattr(sys.modules["torch._dynamo.utils"], "cumulative_time_spent_ns",
+                        type(cumulative_time_spent_ns)(float, {"entire_frame_compile": 4e9}))  # an earlier run's
+    clock = metrics.CompileClock()
+    utils = sys.modules["torch._dynamo.utils"]
+    utils.cumulative_time_spent_ns["entire_frame_compile"] += 2.5e9  # a forward traced and compiled
+    utils.cumulative_time_spent_ns["entire_backward_compile"] += 1e9  # its backward
+    utils.cumulative_time_spent_ns["inductor_compile"] += 3e9  # inside the two above: not counted again
+    assert clock.torch_seconds == pytest.approx(3.5)
+
+
 @pytest.mark.slow  # two runs that compile (the first cold): minutes on a loaded 2-core CPU
 def test_a_second_run_finds_every_graph_in_the_compile_cache(imdb_dir, cache_dir, tmp_path):
     """Packed, bfloat16 autocast, layer by layer (the default scope): the warm run misses nothing."""
@@ -88,6 +101,7 @@ def test_a_second_run_finds_every_graph_in_the_compile_cache(imdb_dir, cache_dir
     # Forward and backward of the training layer, the evaluation layer: all found, nothing bypassed.
     assert warm["fxgraph_hit"] == cold["fxgraph_miss"] and warm["autograd_hit"] == cold["autograd_miss"]
     assert warm["fxgraph_miss"] == warm["autograd_miss"] == warm["fxgraph_bypass"] == warm["autograd_bypass"] == 0
+    assert 0 < results[1]["compile_torch_s"] < results[0]["compile_torch_s"] <= results[0]["compile_time_s"]
     assert results[0]["compiled_graphs"] == results[1]["compiled_graphs"] == 2  # train and eval: one layer graph each
     # the cached graphs compute what the compiled ones did
     assert results[1]["test_loss"] == pytest.approx(results[0]["test_loss"], rel=1e-5)

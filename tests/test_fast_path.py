@@ -109,6 +109,7 @@ def test_results_report_compile_time_val_time_and_rates(tiny_args, tmp_path):
     short = json.loads((out / "results.json").read_text())
     assert short["samples_per_s"] is None and "warm-up" in short["samples_per_s_note"]
     assert short["compile_time_s"] is None and short["compiled_graphs"] is None and short["compile_cache"] is None
+    assert short["compile_torch_s"] is None
     assert short["train_examples"] == 112 and short["val_examples"] == 16 and short["test_examples"] == 32
     assert 0 < short["val_time_s"] < short["train_time_s"]
     assert short["train_time_no_compile_s"] == short["train_time_s"]

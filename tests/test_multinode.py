@@ -35,7 +35,7 @@ RUN_MANY = ROOT / "tests" / "dist" / "run_many.py"
 ELASTIC_KILL = ROOT / "tests" / "faults" / "elastic_kill.py"
 TIMING_KEYS = {"train_time_s", "first_step_s", "samples_per_s", "tokens_per_s", "padded_tokens_per_s",
                "data_wait_share", "mfu", "peak_memory_bytes", "padding_efficiency", "val_time_s",
-               "train_time_no_compile_s", "compile_time_s", "samples_per_s_note", "batch_shapes",
+               "train_time_no_compile_s", "compile_time_s", "compile_torch_s", "samples_per_s_note", "batch_shapes",
                "memory_per_rank", "peak_flops_per_s", "peak_source", "peak_probe"}
 
 pytestmark = pytest.mark.timeout(300)

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 INJECT = ROOT / "tests" / "faults" / "inject.py"
 TIMING_KEYS = {"train_time_s", "first_step_s", "samples_per_s", "tokens_per_s", "padded_tokens_per_s",
                "data_wait_share", "mfu", "peak_memory_bytes", "padding_efficiency", "val_time_s",
-               "train_time_no_compile_s", "compile_time_s", "val_time_no_compile_s",
+               "train_time_no_compile_s", "compile_time_s", "compile_torch_s", "val_time_no_compile_s",
                # what this process measured and saw: a resumed process saw only the steps after the resume
                "samples_per_s_note", "batch_shapes",
                # the measured matmul peak (MFU's denominator): measured once, then read from the cache

@@ -118,6 +118,8 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         "val_time_s": record.val_time_s,  # every validation, compilation included
         "val_time_no_compile_s": record.val_time_s - record.val_compile_s,  # over epochs_run x val_examples reviews
         "first_step_s": bookkeeping.first_step_s,
+        # torch's own count of the time spent compiling (compile_time_s also holds the compiling calls' work)
+        "compile_torch_s": bookkeeping.compile_clock.torch_seconds if cfg.compile else None,
         "compiled_graphs": bookkeeping.compile_clock.graphs if cfg.compile else None,
         # Hits, misses and bypasses of the FX graph and AOTAutograd caches: did a warm cache serve this run?
         "compile_cache": bookkeeping.compile_clock.cache if cfg.compile else None,

@@ -191,6 +191,14 @@ def compiled_graph_count() -> int:
     return sys.modules["torch._dynamo.utils"].counters["stats"]["unique_graphs"]
 
 
+def torch_compile_seconds() -> float:
+    """Seconds torch has spent compiling in this process so far (0.0 before torch._dynamo): the
+    wall time of every frame Dynamo compiled and of every compiled backward."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0.0
+    return sys.modules["torch._dynamo.utils"].calculate_time_spent()["total_wall_time"]
+
+
 # torch's counters of its two on-disk compile caches: Inductor's FX graph cache (generated kernels,
 # one entry per forward or backward graph) and AOTAutograd's (the traced and partitioned
 # forward/backward pair, which then loads its graphs from the FX graph cache).
@@ -217,6 +225,7 @@ class CompileClock:
         self.seconds = 0.0
         self.start_count = self.count = compiled_graph_count()
         self.start_cache = compile_cache_counts()
+        self.start_torch_s = torch_compile_seconds()
 
     def tick(self, since: float) -> None:
         now = compiled_graph_count()
@@ -227,6 +236,12 @@ class CompileClock:
     @property
     def graphs(self) -> int:
         return self.count - self.start_count
+
+    @property
+    def torch_seconds(self) -> float:
+        """torch's own count of this run's compiling: Dynamo's tracing of each frame and the backward's
+        compile (AOTAutograd, Inductor, loading from the caches), without the compiling calls' own work."""
+        return torch_compile_seconds() - self.start_torch_s
 
     @property
     def cache(self) -> dict:
