@@ -58,6 +58,37 @@ def test_a_step_entering_autocast_is_cacheable_while_a_compiled_run_lasts(tmp_pa
     assert torch._dynamo.config.specialize_float == specialize_float
 
 
+def compiled_sums(sizes: list) -> tuple:
+    """(graphs compiled, largest error against a float64 sum) for a float32 sum over a dynamic token
+    dimension: the bias gradient of a layer, over the tokens of a packed batch (sums of about 200)."""
+    torch._dynamo.reset()
+    counters.clear()
+    summed = torch.compile(lambda x: (x * 2).sum(0), dynamic=True)
+    errors = []
+    for n in sizes:
+        x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+        errors.append(float((summed(x).double() - (x.double() * 2).sum(0)).abs().max()))
+    return metrics.compiled_graph_count(), max(errors)
+
+
+def test_one_cpu_graph_serves_sums_over_any_number_of_tokens(tmp_path, monkeypatch):
+    """Inductor picks the plain or the chunked float32 sum on the CPU by size (4,096) and guarded
+    the first batch's choice: a batch of more tokens than the first side of 4,096 compiled again."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))  # nothing found on disk
+    assert compiled_sums([3000, 5000])[0] == 2  # Inductor's own rule: a second graph
+    cfg = SimpleNamespace(compile=True, deterministic=False, tf32=False)
+    backends.configure(cfg, torch.device("cpu"), tmp_path)
+    try:
+        graphs, error = compiled_sums([3000, 5000, 1000, 9000])
+    finally:
+        backends.restore(cfg)
+        torch._dynamo.reset()
+    assert graphs == 1 and error < 1e-3
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "after"))
+    assert compiled_sums([3000, 5000])[0] == 2  # restored with the run's end
+    torch._dynamo.reset()
+
+
 def test_the_compile_clock_reports_this_runs_cache_events(monkeypatch):
     monkeypatch.setitem(counters, "inductor", counters["inductor"].copy())
     monkeypatch.setitem(counters, "aot_autograd", counters["aot_autograd"].copy())

@@ -35,10 +35,19 @@ and where (and what) compiled kernels are cached.
   vary) would otherwise turn every float attribute of its modules (layer-norm eps, dropout p, the
   attention scale) into a symbol, which Inductor cannot keep: it specialises them and restarts
   Dynamo's analysis ("tensorify" restart), so each layer graph was traced twice, cold or warm.
+- One graph for every packed length on a CPU. A float32 sum over more than 4,096 elements gets
+  Inductor's chunked ("cascade") summation on a CPU; over fewer, a plain one. With the token
+  count symbolic (packed or bucketed batches) that choice was made on the first batch's count and
+  kept as a guard, `tokens <= 4096`: the first batch of more than 4,096 tokens (12 reviews at
+  512, often) compiled the training layer a second time, half an epoch in. While a compiled CPU
+  run lasts, a sum whose size is unknown until it runs takes the chunked summation (right at any
+  size: one chunk is the plain sum) and adds no guard (`_chunked_sum_without_guard`).
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 from pathlib import Path
 
@@ -62,7 +71,36 @@ def configure(cfg, device: torch.device, cache_root: Path) -> None:
         _before_run["cacheable"] = dict(inductor_config.unsafe_marked_cacheable_functions)
         inductor_config.unsafe_marked_cacheable_functions = {
             **inductor_config.unsafe_marked_cacheable_functions, **{name: torch.__version__ for name in AUTOCAST_CALLS}}
+        if device.type == "cpu":
+            _chunked_sum_without_guard(True)
 
+
+def _chunked_sum_without_guard(on: bool) -> None:
+    """Inductor's CPU kernels: a float32 sum of a size known only at run time uses the chunked
+    summation, without guarding on the size (on), or Inductor's own rule again (off)."""
+    try:
+        from torch._inductor.codegen.cpp import CppKernel
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - another torch's layout: its own rule stays
+        return
+    own = getattr(CppKernel.need_use_acc_helper, "inductors_own", CppKernel.need_use_acc_helper)
+    if not on:
+        CppKernel.need_use_acc_helper = own
+        return
+
+    def need_use_acc_helper(self, reduction_type, dtype, use_scalar):
+        if reduction_type == "sum" and dtype == torch.float and getattr(self, "call_ranges", None) is not None:
+            size = functools.reduce(operator.mul, self.call_ranges[self.reduction_depth:])
+            sizes = V.graph.sizevars
+            if not (sizes.statically_known_leq(size, CHUNK) or sizes.statically_known_gt(size, CHUNK)):
+                return True
+        return own(self, reduction_type, dtype, use_scalar)
+
+    need_use_acc_helper.inductors_own = own
+    CppKernel.need_use_acc_helper = need_use_acc_helper
+
+
+CHUNK = 4096  # Inductor's chunk for a float32 sum on a CPU (torch/_inductor/codegen/cpp.py)
 
 # Dynamo's names for entering and leaving an autocast region inside a graph (torch/_dynamo/variables/ctx_manager.py).
 AUTOCAST_CALLS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
@@ -91,6 +129,7 @@ def restore(cfg) -> None:
 
         dynamo_config.specialize_float = _before_run.pop("specialize_float")
         inductor_config.unsafe_marked_cacheable_functions = _before_run.pop("cacheable")
+        _chunked_sum_without_guard(False)
     if "TORCHINDUCTOR_CACHE_DIR" in _before_run:
         previous = _before_run.pop("TORCHINDUCTOR_CACHE_DIR")
         if previous is None:
