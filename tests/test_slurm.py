@@ -329,11 +329,14 @@ def test_srun_tasks_without_a_strategy_are_refused(cluster, imdb_dir, cache_dir,
     assert not (tmp_path / "runs").exists()
 
 
-def _submit(imdb_dir, cache_dir, folder: Path, *sbatch_options) -> tuple[str, Path, Path]:
-    """A 2-task sbatch job training 3 epochs with --resume auto: (job, log, run folder)."""
+def _submit(imdb_dir, cache_dir, folder: Path, *sbatch_options, epochs: int = 3) -> tuple[str, Path, Path]:
+    """A 2-task sbatch job training `epochs` epochs (14 steps each) with --resume auto: (job, log, run folder).
+
+    A job that a test signals mid-run trains many epochs: the signal stops it at once, and on a loaded
+    machine a 3-epoch job could finish (about 10 s) before the test got to signal it."""
     folder.mkdir(parents=True, exist_ok=True)
     out, log = folder / "run", folder / "job.log"
-    args = " ".join(train_args(imdb_dir, cache_dir, out, "--epochs", "3", "--resume", "auto", "--ddp"))
+    args = " ".join(train_args(imdb_dir, cache_dir, out, "--epochs", str(epochs), "--resume", "auto", "--ddp"))
     job = sbatch(f'echo "job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}}"\n'
                  f"srun --kill-on-bad-exit=1 {sys.executable} {args}\necho \"srun status $?\"",
                  log, "--ntasks=2", *sbatch_options)
@@ -354,7 +357,8 @@ def signalled_jobs(cluster, imdb_dir, cache_dir, tmp_path_factory):
     """Two --requeue jobs side by side (--overcommit: both fit on the 2-CPU node), signalled mid-epoch:
     {"USR1": (job, log, out), "TERM": (...)}."""
     root = tmp_path_factory.mktemp("signalled")
-    jobs = {name: _submit(imdb_dir, cache_dir, root / name, "--requeue", "--overcommit") for name in ("USR1", "TERM")}
+    jobs = {name: _submit(imdb_dir, cache_dir, root / name, "--requeue", "--overcommit", epochs=30)
+            for name in ("USR1", "TERM")}
     try:
         for name, (job, log, _) in jobs.items():
             _wait_for_training(job, log)
@@ -443,7 +447,7 @@ def test_srun_torchrun_passes_the_warning_signal_on(cluster, imdb_dir, cache_dir
 
 @pytest.mark.slow
 def test_a_job_that_may_not_be_requeued_stops_as_after_sigterm(cluster, imdb_dir, cache_dir, tmp_path):
-    job, log, out = _submit(imdb_dir, cache_dir, tmp_path, "--no-requeue")
+    job, log, out = _submit(imdb_dir, cache_dir, tmp_path, "--no-requeue", epochs=30)
     _wait_for_training(job, log)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
     wait_for(lambda: log_has(log, "srun status"), "the job's end", timeout=90)
