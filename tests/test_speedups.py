@@ -38,16 +38,16 @@ CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 TINY_CONFIG = models.tiny_config  # kept: tests swap models.tiny_config for the dropout-free one
 
 
-def no_dropout_tiny_config(n_layers: int = 2):
+def no_dropout_tiny_config(n_layers: int = 2, dropout: float = 0.0):
     config = TINY_CONFIG()
-    config.n_layers, config.dropout, config.attention_dropout, config.seq_classif_dropout = n_layers, 0.0, 0.0, 0.0
+    config.n_layers, config.dropout, config.attention_dropout, config.seq_classif_dropout = n_layers, dropout, 0.0, 0.0
     return config
 
 
-def tiny_strategy(n_layers: int = 2, **settings) -> tuple[Strategy, torch.nn.Module]:
-    """A set-up strategy on a dropout-free tiny model, and an untouched eager copy of that model."""
+def tiny_strategy(n_layers: int = 2, dropout: float = 0.0, **settings) -> tuple[Strategy, torch.nn.Module]:
+    """A set-up strategy on a tiny model (dropout-free unless asked), and an untouched eager copy of that model."""
     torch.manual_seed(0)
-    model = models._from_config(no_dropout_tiny_config(n_layers), "sdpa")
+    model = models._from_config(no_dropout_tiny_config(n_layers, dropout), "sdpa")
     reference = copy.deepcopy(model)
     strategy = build_strategy(TrainConfig(model="tiny", **settings), CPU)
     strategy.setup(model)
@@ -142,7 +142,8 @@ def test_compiled_step_matches_eager_for_every_bucketed_length_and_checkpoints_i
     backends.configure(SimpleNamespace(**settings, deterministic=False, tf32=False), CPU.device, tmp_path)
     try:
         # Layer by layer, two layers: the second runs the first one's graph.
-        check_compiled_step_matches_eager(*tiny_strategy(n_layers=2 if scope == "layers" else 1, **settings))
+        check_compiled_step_matches_eager(*tiny_strategy(n_layers=2 if scope == "layers" else 1, dropout=0.1,
+                                                         **settings))
     finally:
         backends.restore(SimpleNamespace(**settings, deterministic=False))
 
@@ -152,15 +153,18 @@ def check_compiled_step_matches_eager(strategy, eager):
     assert strategy.model is strategy.module
     graphs = metrics.compiled_graph_count()
     forward_loss = make_forward_loss(strategy, max_length=512)
-    strategy.train(False)  # no dropout: eager and compiled draw different random masks
-    eager.eval()
+    # Dropout on: on a CPU the compiled graph draws eager's masks (backends.configure), from the same seed.
+    strategy.train(True)
+    eager.train()
     for i, length in enumerate((40, 33, 57)):
         batch = make_batch(length=length, seed=i)
         # fullgraph=True: a graph break is an error. After the first length, so is a recompile:
         # the token dimension is marked dynamic, so one graph serves all.
+        torch.manual_seed(i)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             loss, sums = forward_loss(strategy.model, strategy.to_device(batch))
             loss.backward()
+        torch.manual_seed(i)
         eager_logits = eager(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         eager_loss = F.cross_entropy(eager_logits, batch["labels"])
         eager_loss.backward()
@@ -190,6 +194,7 @@ def check_compiled_step_matches_eager(strategy, eager):
         for p in eager.parameters():
             p.mul_(1.01)
     strategy.load_model_state_dict(eager.state_dict())
+    strategy.train(False)
     probe = make_batch(length=29, seed=9)
     with torch.no_grad():
         expected = eager(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits

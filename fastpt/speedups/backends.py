@@ -42,6 +42,12 @@ and where (and what) compiled kernels are cached.
   512, often) compiled the training layer a second time, half an epoch in. While a compiled CPU
   run lasts, a sum whose size is unknown until it runs takes the chunked summation (right at any
   size: one chunk is the plain sum) and adds no guard (`_chunked_sum_without_guard`).
+- Dropout masks in a compiled CPU graph: Inductor draws its own random numbers inside its kernels
+  unless `torch._inductor.config.fallback_random` is on, and on a CPU its own were 2-3x slower
+  than eager's `bernoulli_` (scripts/results/dropout-masks-cpu.md). While a compiled CPU run lasts
+  it is on: the graph calls `bernoulli_` as eager does, in the same order from the same generator,
+  so a compiled run draws the masks an eager one would (tests/test_speedups.py compares the two
+  steps with dropout on). On CUDA Inductor's own (Philox, in the kernel) stay.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ def configure(cfg, device: torch.device, cache_root: Path) -> None:
             **inductor_config.unsafe_marked_cacheable_functions, **{name: torch.__version__ for name in AUTOCAST_CALLS}}
         if device.type == "cpu":
             _chunked_sum_without_guard(True)
+            _before_run["fallback_random"] = inductor_config.fallback_random
+            inductor_config.fallback_random = True
 
 
 def _chunked_sum_without_guard(on: bool) -> None:
@@ -130,6 +138,8 @@ def restore(cfg) -> None:
         dynamo_config.specialize_float = _before_run.pop("specialize_float")
         inductor_config.unsafe_marked_cacheable_functions = _before_run.pop("cacheable")
         _chunked_sum_without_guard(False)
+        if "fallback_random" in _before_run:
+            inductor_config.fallback_random = _before_run.pop("fallback_random")
     if "TORCHINDUCTOR_CACHE_DIR" in _before_run:
         previous = _before_run.pop("TORCHINDUCTOR_CACHE_DIR")
         if previous is None:

@@ -26,9 +26,11 @@ What it costs:
   default generator of the tensor's device, like `bernoulli_`'s, so the RNG state that last.pt
   keeps makes a resumed run bitwise equal to an uninterrupted one.
 - The saved mask is one byte per element (`bool`), not one element of the input's dtype.
-- Under torch.compile the layer is plain `F.dropout`, whose mask Inductor draws inside its generated
-  kernel (Philox, seeded from the same generator): compile's own choice, left alone. On the CPU above
-  that compiled dropout measured slower than eager `bernoulli_` (the table's "compiled F.dropout").
+- Under torch.compile the layer is plain `F.dropout`. Inductor draws its mask inside its generated
+  kernel (Philox, seeded from the same generator) unless `fallback_random` is on; on the CPU above
+  that compiled dropout measured slower than eager `bernoulli_` (the table's "compiled F.dropout"),
+  so a compiled CPU run turns `fallback_random` on (speedups/backends.py) and the graph calls
+  `bernoulli_` as eager does.
 - Off by default: with other masks than nn.Dropout's, a run no longer equals the ladder scripts
   (scripts/ladder/) and the Lightning / accelerate peers (scripts/compare_peers.py) mask for mask.
 - Measured on the CPU only. On CUDA `F.dropout` is already one fused kernel (`native_dropout`).

@@ -122,6 +122,9 @@ def main():
     autocast = partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)  # [03]
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # [03] off, it passes through
     if args.compile:  # [04]
+        # [04] On a CPU, Inductor draws dropout masks with eager's bernoulli_ (faster there than its own
+        # [04] in-kernel random numbers), so the compiled model draws the masks the eager one would.
+        torch._inductor.config.fallback_random = device.type == "cpu"  # [04]
         model.compile()  # [04] in place: the same module and state_dict keys, its forward compiled
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=device.type == "cuda")
     ddp_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)  # [06]

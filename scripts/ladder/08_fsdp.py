@@ -124,6 +124,7 @@ def main():
     scaler = ShardedGradScaler(device.type, enabled=amp_dtype == torch.float16)  # [08] inf checks over all shards
     mp_policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)  # [08]
     layers = model.distilbert.transformer.layer if hasattr(model, "distilbert") else model.bert.encoder.layer  # [08]
+    torch._inductor.config.fallback_random = device.type == "cpu"  # [08] eager's dropout masks, as train.py on a CPU
     for layer in layers:  # [08] one shard group per transformer layer, so gathering the next overlaps this one
         if args.compile:  # [08]
             layer.compile()  # [08] compile, then shard: the collectives run between compiled layers
