@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="article" if on_cuda else "cpu", choices=sorted(PRESETS))
     p.add_argument("--configs", default=None,
                    help=f"comma-separated, from {', '.join(CONFIGS)} (default: the preset's)")
-    p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    p.add_argument("--frameworks", default=",".join(f for f in FRAMEWORKS if f != "fastpt-before"),
+                   help="comma-separated (fastpt-before comes with --before)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--nproc", type=int, default=None, help="processes for DDP configurations (default: GPUs, or 2)")
     p.add_argument("--data-dir", default=None)

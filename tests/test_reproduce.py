@@ -215,6 +215,7 @@ def test_compare_peers_runs_a_peer_once_for_configurations_that_differ_only_in_f
 def test_compare_peers_before_runs_the_earlier_commits_train_py_with_the_same_flags(tmp_path):
     import compare_peers
 
+    assert "fastpt-before" not in compare_peers.build_parser().parse_args([]).frameworks  # only with --before
     with pytest.raises(ValueError, match="not a commit"):
         compare_peers.earlier_tree("no-such-commit", tmp_path)
     tree = compare_peers.earlier_tree("HEAD", tmp_path)
