@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce import ROOT, default_data_dir, machine  # noqa: E402
+from reproduce import ROOT, default_data_dir, machine, print_report  # noqa: E402
 
 # Issue 27's workload (MiniLM, packed, bfloat16 autocast, fused Adam) at 128 tokens: minutes, not hours, on a CPU.
 WORKLOAD = ("--model", "minilm", "--max-length", "128", "--pack", "--amp", "--amp-dtype", "bfloat16", "--fused-adam",
@@ -94,11 +94,7 @@ def main(argv=None) -> int:
         lines.append(f"| {scope} | {start} | {r['compile_torch_s']:.1f} | {r['compile_time_s']:.1f} | "
                      f"{r['compiled_graphs']} | "
                      f"{counters(r['compile_cache'])} | {r['first_step_s']:.1f} | {ms} | {r['process_wall_s']:.1f} |")
-    md = "\n".join(lines) + "\n"
-    print(md)
-    if args.report:
-        Path(args.report).write_text(md)
-        print(f"written: {args.report}")
+    print_report("\n".join(lines) + "\n", args.report)
     return 0
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce import ROOT, machine  # noqa: E402
+from reproduce import ROOT, machine, print_report  # noqa: E402
 
 # Run in the tree being measured (cwd), with that tree's fastpt; settings come as JSON in argv[1].
 PROFILE_STEPS = r'''
@@ -139,11 +139,7 @@ def main(argv=None) -> int:
         lines += table(f"{name}: {described(tree)}", results[name], args.top, args.steps)
     if args.before:
         lines.append(f"Median step time now / before: {results['now']['step_s'] / results['before']['step_s']:.3f}")
-    md = "\n".join(lines) + "\n"
-    print(md)
-    if args.report:
-        Path(args.report).write_text(md)
-        print(f"written: {args.report}")
+    print_report("\n".join(lines) + "\n", args.report)
     return 0
 
 
