@@ -10,6 +10,7 @@ Read these, the lessons:
         early_stopping.py  Lightning's EarlyStopping and best-checkpoint rules, exactly
         build.py           the build step: inputs, loaders, model, strategy.setup, bookkeeping, as plain parts
         record.py          the run's record: history, best epoch, early stopping, validation time
+        bookkeeping.py     counters, device-side sums, clocks and the epoch's console line
     speedups/    one module per single-device technique, each with what / why faster / cost / Lightning flag
         amp.py             mixed precision (autocast, GradScaler)
         compile.py         torch.compile, dynamic shapes, CUDA graphs
@@ -32,16 +33,19 @@ Read these, the lessons:
         models.py          the models and tokenizers, online or offline
 
 Skip these on a first read, the machinery a real run needs:
-    machinery/   config (every setting of a run: one typed dataclass, validated once; read by every layer),
-                 bookkeeping (counters, device-side sums, logs), metrics (throughput, MFU, memory),
-                 checkpoints (atomic, weights_only, RNG states), tracking (console, TensorBoard),
-                 shared_cache (a cache folder shared by runs and users: lock, atomic publish, digests),
-                 signals (graceful stop), distributed (process group, collectives), slurm (srun's process
-                 group, requeue before a time limit), resize (resume on another number of processes), errors
+    config.py    every setting of a run: one typed dataclass, validated once; read by every layer
+    errors.py    the run's exceptions, each with its exit status
+    files/       what lands on disk: checkpoints (atomic, weights_only, RNG states) and
+                 shared_cache (a cache folder shared by runs and users: lock, atomic publish, digests)
+    cluster/     the processes: distributed (process group, collectives), slurm (srun's process group,
+                 requeue before a time limit), signals (graceful stop), resize (resume on another
+                 number of processes)
+    monitoring/  what a run reports: metrics (throughput, MFU, memory), peak (the device's measured
+                 FLOP/s), tracking (console, TensorBoard)
     cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan),
                  outputs (what a run writes in its folder: best.pt, last.pt, results.json, predictions.csv,
                  the export), predictions (that file's columns), predict (the fastpt-predict command)
 
-Imports go one way, down this order: cli/ -> loop/ -> strategies/ -> inputs/ -> speedups/ -> machinery/;
-no folder imports one above it (tests/test_layout.py holds that).
+Imports go one way, down this order: cli/ -> loop/ -> strategies/ -> inputs/ -> speedups/ -> monitoring/
+-> cluster/ -> files/ -> config.py, errors.py; no folder imports one above it (tests/test_layout.py holds that).
 """

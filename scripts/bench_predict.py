@@ -53,7 +53,7 @@ def cpu_name() -> str:
 def imdb_texts(data_dir: str | None, n: int) -> list[str]:
     """The first n reviews of the article's test split; exits with one line where there is no IMDB data."""
     from fastpt.inputs import imdb
-    from fastpt.machinery.errors import DataError
+    from fastpt.errors import DataError
 
     if not (data_dir or os.environ.get("FASTPT_DATA_DIR")):
         sys.exit("error: no IMDB data given: pass --data-dir DIR (aclImdb/ or aclImdb_v1*.tar.gz) or set "

@@ -201,7 +201,7 @@ def run_config(args, name: str, timeout: float) -> dict:
 
 def padding_report(args) -> dict:
     """Real tokens / computed tokens on the real training split, batch --batch-size, 512 tokens."""
-    from fastpt.machinery.config import TrainConfig
+    from fastpt.config import TrainConfig
 
     default = TrainConfig.bucket_multiplier
     report = split_padding(args.data_dir, args.cache_dir, args.model, args.batch_size, multipliers=(default,))

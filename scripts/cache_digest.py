@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastpt.inputs import token_cache  # noqa: E402
-from fastpt.machinery import shared_cache  # noqa: E402
+from fastpt.files import shared_cache  # noqa: E402
 from fastpt.inputs.models import load_tokenizer  # noqa: E402
 
 

@@ -323,7 +323,7 @@ def report(summary: dict, preset: str, argv: list, repeats: int, nproc: int, ver
              "every script); samples/s: training steps after 3 warm-up steps; ms per step = global batch / samples/s; "
              "overhead = ms per step minus the bare loop's (same precision, same batches, no validation); "
              "MFU: useful model FLOP/s on real tokens over the device's peak at the run's precision (on a CPU the "
-             "matmul peak measured by fastpt/machinery/peak.py, the same figure for every framework).",
+             "matmul peak measured by fastpt/monitoring/peak.py, the same figure for every framework).",
              ""]
     for key, rows in summary.items():
         lines += config_table(key, rows)

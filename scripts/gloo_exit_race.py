@@ -26,7 +26,7 @@ def worker(way_out: str) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
-    from fastpt.machinery.distributed import leave
+    from fastpt.cluster.distributed import leave
 
     dist.init_process_group("gloo")
     KEPT.append(dist.group.WORLD)  # a module-level reference, as FSDP's device meshes and DeepSpeed's groups keep one

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fastpt.machinery.peak import cpu_identity  # noqa: E402
+from fastpt.monitoring.peak import cpu_identity  # noqa: E402
 from fastpt.speedups import grouped_attention, packed_attention  # noqa: E402
 from fastpt.speedups.attention_probe import imdb_like_lengths  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch
 
 from fastpt.cli.args import parse_args
 from fastpt.loop.build import pack_attention_choice
-from fastpt.machinery.distributed import DistInfo
+from fastpt.cluster.distributed import DistInfo
 from fastpt.speedups import attention_probe
 from fastpt.speedups.packing import PackedClassifier
 

@@ -20,7 +20,7 @@ import torch
 from conftest import tar_folder, write_imdb
 
 from fastpt.cli.shell import EXIT_BAD_INPUT
-from fastpt.machinery import distributed
+from fastpt.cluster import distributed
 from train import main
 
 

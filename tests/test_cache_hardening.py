@@ -19,7 +19,7 @@ import pytest
 
 from fastpt.inputs import token_cache
 from fastpt.inputs.models import load_tokenizer
-from fastpt.machinery import shared_cache
+from fastpt.files import shared_cache
 from train import main
 
 

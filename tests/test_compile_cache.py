@@ -16,7 +16,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
 
-from fastpt.machinery import metrics
+from fastpt.monitoring import metrics
 from fastpt.speedups import backends
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastpt.machinery.config import CHOICES
+from fastpt.config import CHOICES
 
 
 list_mode_options = pytest.importorskip("torch._inductor").list_mode_options

@@ -12,7 +12,7 @@ from conftest import tar_folder, write_imdb
 
 from fastpt.inputs import data, imdb, token_cache
 from fastpt.inputs.models import load_tokenizer
-from fastpt.machinery.errors import DataError
+from fastpt.errors import DataError
 
 
 # From shared/data/README.md: the article's split, fingerprinted.

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from fastpt.machinery.config import TrainConfig
+from fastpt.config import TrainConfig
 from fastpt.strategies.deepspeed_config import deepspeed_config
 
 

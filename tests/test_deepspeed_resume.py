@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("deepspeed")
 
 from fastpt.cli.shell import EXIT_BAD_INPUT  # noqa: E402
-from fastpt.machinery.config import TrainConfig  # noqa: E402
-from fastpt.machinery.errors import CheckpointError  # noqa: E402
+from fastpt.config import TrainConfig  # noqa: E402
+from fastpt.errors import CheckpointError  # noqa: E402
 from fastpt.strategies import deepspeed as fastpt_deepspeed  # noqa: E402
 from fastpt.strategies import deepspeed_checkpoint, deepspeed_config  # noqa: E402
 from train import main  # noqa: E402

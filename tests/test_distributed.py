@@ -28,10 +28,10 @@ import torch
 
 from fastpt.inputs import data, token_cache
 from fastpt.inputs.models import load_model, load_tokenizer
-from fastpt.machinery.config import TrainConfig
+from fastpt.config import TrainConfig
 from fastpt.loop.evaluation import evaluate
-from fastpt.machinery.checkpoint import load, load_model_weights
-from fastpt.machinery.distributed import DistInfo
+from fastpt.files.checkpoint import load, load_model_weights
+from fastpt.cluster.distributed import DistInfo
 from fastpt.strategies.base import Strategy
 from train import main as train_main
 

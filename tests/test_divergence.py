@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fastpt.cli.shell import EXIT_FAILED
-from fastpt.machinery import checkpoint
-from fastpt.machinery.bookkeeping import MAX_SKIPPED_STEPS_IN_A_ROW
+from fastpt.files import checkpoint
+from fastpt.loop.bookkeeping import MAX_SKIPPED_STEPS_IN_A_ROW
 from train import main
 
 
@@ -104,8 +104,8 @@ def test_deepspeed_fp16_skips_are_read_from_the_engine_counter():
 
 def test_the_grad_scaler_skips_are_seen_on_the_device():
     """The single-device strategy reads skips from GradScaler's scale, from the first step on."""
-    from fastpt.machinery.config import TrainConfig
-    from fastpt.machinery.distributed import DistInfo
+    from fastpt.config import TrainConfig
+    from fastpt.cluster.distributed import DistInfo
     from fastpt.strategies.base import Strategy
 
     strategy = Strategy(TrainConfig(model="tiny", amp=True), DistInfo(0, 0, 1, torch.device("cpu")))

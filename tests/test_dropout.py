@@ -19,7 +19,7 @@ from test_optimization import stop_at_step
 from test_reliability import assert_same_run, checkpoint_step, fault_rng, flags, results
 from transformers import AutoModelForSequenceClassification, DistilBertConfig
 
-from fastpt.machinery.errors import EXIT_STOPPED
+from fastpt.errors import EXIT_STOPPED
 from fastpt.speedups import dropout
 from fastpt.strategies.base import Strategy
 from train import main

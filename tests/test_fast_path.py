@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastpt.inputs import data
-from fastpt.machinery import bookkeeping
+from fastpt.loop import bookkeeping
 from fastpt.inputs.device_data import DeviceLoader
 from train import main
 
@@ -153,7 +153,7 @@ def test_packed_and_device_batches_train_like_padded_ones(tiny_args, tmp_path, n
     choice = packed["pack_attention"]  # --pack-attention auto on a CPU: the faster of the probe's kernels
     assert choice["kernel"] == min(choice["seconds"], key=choice["seconds"].get)
     assert choice["shapes"]["heads"] > 0
-    from fastpt.machinery import checkpoint
+    from fastpt.files import checkpoint
     saved = checkpoint.load(runs["packed"] / "checkpoints" / "last.pt")["pack_attention"]
     assert saved == {"kernel": choice["kernel"], "device": "cpu"}  # what a resumed run keeps
     assert packed["test_loss"] == pytest.approx(padded["test_loss"], rel=1e-4)
@@ -169,7 +169,7 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     the one that reads nothing back (CUDA's varlen kernel reads nothing either; the CPU's loop and
     grouped kernels read each review's boundaries on the host, harmless there).
     """
-    from fastpt.machinery.bookkeeping import Bookkeeping
+    from fastpt.loop.bookkeeping import Bookkeeping
 
     all_ops = []
     original, original_log = Bookkeeping.after_step, Bookkeeping.log

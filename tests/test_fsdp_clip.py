@@ -37,8 +37,8 @@ def main() -> None:
     from torch.distributed.tensor import DTensor
 
     sys.path.insert(0, str(ROOT))
-    from fastpt.machinery.config import TrainConfig
-    from fastpt.machinery.distributed import DistInfo, leave
+    from fastpt.config import TrainConfig
+    from fastpt.cluster.distributed import DistInfo, leave
     from fastpt.strategies.fsdp import FSDPStrategy
 
     dist.init_process_group("gloo")

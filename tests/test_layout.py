@@ -40,9 +40,10 @@ def test_the_detector_sees_a_shell_import_inside_a_function(tmp_path):
     assert {"fastpt.cli.shell", "fastpt.cli.args"} <= imported_modules(module)
 
 
-# The layers from the bottom up: a folder imports only folders below it (machinery/ holds the config,
-# which every layer reads; cli/ is the shell on top).
-LAYERS = ["machinery", "speedups", "inputs", "strategies", "loop", "cli"]
+# The layers from the bottom up: a folder imports only folders below it. The ground is two modules at the
+# package's top that every layer reads (config.py, errors.py); cli/ is the shell on top.
+GROUND = ["config", "errors"]
+LAYERS = [*GROUND, "files", "cluster", "monitoring", "speedups", "inputs", "strategies", "loop", "cli"]
 
 
 def folder_imports(package: Path) -> dict[tuple[str, str], list[str]]:
@@ -50,8 +51,9 @@ def folder_imports(package: Path) -> dict[tuple[str, str], list[str]]:
     edges: dict[tuple[str, str], list[str]] = {}
     for path in package.rglob("*.py"):
         parts = path.relative_to(package).parts
-        if len(parts) < 2:
+        if len(parts) < 2 and path.stem not in GROUND:
             continue
+        parts = parts if len(parts) > 1 else (path.stem,)
         for module in imported_modules(path):
             names = module.split(".")
             if names[0] == package.name and len(names) > 1 and names[1] != parts[0]:
@@ -97,7 +99,7 @@ def test_the_cycle_detector_sees_a_cycle_between_two_folders(tmp_path):
     """A canary: strategies/ importing loop/ while loop/ imports strategies/ (as before the config moved) fails."""
     package = tmp_path / "fastpt"
     for folder, imported in (("loop", "fastpt.strategies.base"), ("strategies", "fastpt.loop.config"),
-                             ("machinery", "os")):
+                             ("files", "os")):
         (package / folder).mkdir(parents=True)
         (package / folder / "m.py").write_text(f"def f():\n    import {imported}\n")
     edges = folder_imports(package)
@@ -107,13 +109,42 @@ def test_the_cycle_detector_sees_a_cycle_between_two_folders(tmp_path):
 
 
 def test_every_module_sits_in_a_layer_folder():
-    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
-    assert not loose, f"modules outside a layer folder: {loose}"
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert loose == sorted(GROUND), f"modules outside a layer folder: {loose}"
     layers = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert layers == sorted(LAYERS)
+    assert layers == sorted(set(LAYERS) - set(GROUND))
     described = (PACKAGE / "__init__.py").read_text()
     for layer in layers:
         assert f"{layer}/" in described, f"fastpt/__init__.py's map does not describe {layer}/"
+
+
+def module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def test_no_two_files_import_each_other_in_a_circle():
+    """Folders importing one way is not enough: two files of one folder can still import each other."""
+    modules = {module_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: {m for m in imported_modules(path) if m in modules and m != name and not m.endswith("__init__")}
+             for name, path in modules.items()}
+    graph = {name: {t for t in targets if modules[t].name != "__init__.py"} for name, targets in graph.items()}
+    done, path = set(), []
+
+    def walk(node):
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if cycle := walk(target):
+                return cycle
+        path.pop()
+        done.add(node)
+        return []
+
+    for name in sorted(graph):
+        assert not (cycle := walk(name)), f"files import each other in a circle: {' -> '.join(cycle)}"
 
 
 def test_the_runs_order_lives_in_train_py_alone():
@@ -137,12 +168,12 @@ def imported_names(path: Path) -> list[tuple[str, str]]:
 
 
 def test_no_private_name_crosses_a_module_and_errors_come_from_errors_py():
-    """A `_name` is its module's own; an error class comes from machinery/errors.py, not through another module."""
+    """A `_name` is its module's own; an error class comes from errors.py, not through another module."""
     files = [*PACKAGE.rglob("*.py"), ROOT / "train.py", *(ROOT / "tests").glob("*.py")]
     private = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p) if n.startswith("_")]
                for p in files}
     assert not {k: v for k, v in private.items() if v}
     relayed = {str(p.relative_to(ROOT)): [f"{m}.{n}" for m, n in imported_names(p)
                                           if (n.endswith("Error") or n in ("NonFiniteLoss", "StopRequested"))
-                                          and m != "fastpt.machinery.errors"] for p in files}
+                                          and m != "fastpt.errors"] for p in files}
     assert not {k: v for k, v in relayed.items() if v}

@@ -11,7 +11,7 @@ Two torchrun launchers on this machine act as two nodes (one process each, gloo)
   bitwise equal to the uninterrupted run;
 - a rank that stops answering makes every rank stop after --dist-timeout with one line, not wait.
 Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the restarted group reads the dead group's addresses
-from torchrun's store and fails in connectFullMesh (see fastpt/machinery/distributed.py).
+from torchrun's store and fails in connectFullMesh (see fastpt/cluster/distributed.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import fastpt_frames
 
-from fastpt.machinery import checkpoint
+from fastpt.files import checkpoint
 
 
 ROOT = Path(__file__).resolve().parent.parent

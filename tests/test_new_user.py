@@ -211,8 +211,8 @@ def test_tensorboard_layout_and_applicable_hparams(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    from fastpt.machinery.config import TrainConfig
-    from fastpt.machinery.tracking import Tracker, applicable_hparams
+    from fastpt.config import TrainConfig
+    from fastpt.monitoring.tracking import Tracker, applicable_hparams
 
     plain = applicable_hparams(TrainConfig().to_dict())
     for unused in ("amp_dtype", "compile_mode", "zero_stage", "bucket_multiplier", "fsdp_reshard_after_forward",

@@ -29,10 +29,10 @@ from fastpt.cli.shell import EXIT_BAD_INPUT
 from fastpt.inputs.data import Collator
 from fastpt.loop.evaluation import make_eval_sums
 from fastpt.loop.step import class_weights, make_forward_loss
-from fastpt.machinery import checkpoint
-from fastpt.machinery.config import TrainConfig
-from fastpt.machinery.distributed import DistInfo
-from fastpt.machinery.errors import EXIT_STOPPED
+from fastpt.files import checkpoint
+from fastpt.config import TrainConfig
+from fastpt.cluster.distributed import DistInfo
+from fastpt.errors import EXIT_STOPPED
 from fastpt.speedups.packing import PackedClassifier, PackedCollator
 from fastpt.strategies import optimizer as optim
 from fastpt.strategies.base import Strategy
@@ -278,7 +278,7 @@ def test_a_deepspeed_json_with_its_own_optimizer_or_scheduler_refuses_ours(tmp_p
 
 def test_checkpoints_from_before_these_settings_resume_as_the_articles_run(tmp_path):
     from fastpt.cli.run_folder import check_resume_compatible
-    from fastpt.machinery.errors import CheckpointError
+    from fastpt.errors import CheckpointError
 
     later = ("optimizer", "weight_decay", "lr_schedule", "warmup_ratio", "warmup_steps", "class_weights")
     old = {k: v for k, v in TrainConfig().to_dict().items() if k not in later}

@@ -16,9 +16,9 @@ import torch
 from fastpt.inputs import own_data
 from fastpt.inputs.data import Collator, pair_token_types
 from fastpt.inputs.models import load_model, load_tokenizer
-from fastpt.machinery.config import TrainConfig
+from fastpt.config import TrainConfig
 from fastpt.loop.evaluation import f1_by_class, macro_f1, per_class
-from fastpt.machinery import checkpoint
+from fastpt.files import checkpoint
 from train import main
 
 
@@ -451,7 +451,7 @@ def test_ddp_confusion_counts_each_test_row_once(tmp_path, cache_dir):
 
     from fastpt.inputs import data
     from fastpt.loop.evaluation import evaluate
-    from fastpt.machinery.distributed import DistInfo
+    from fastpt.cluster.distributed import DistInfo
     from fastpt.strategies.base import Strategy
 
     train = write_csv(tmp_path / "train.csv", rows(120))

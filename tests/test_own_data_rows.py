@@ -9,7 +9,7 @@ import pytest
 
 from fastpt.cli.args import build_parser
 from fastpt.inputs import own_data, tables
-from fastpt.machinery.config import TrainConfig
+from fastpt.config import TrainConfig
 from test_own_data import rows, write_csv
 from train import main
 

@@ -1,4 +1,4 @@
-"""The measured matmul peak behind MFU on a CPU (fastpt/machinery/peak.py): measured once, cached
+"""The measured matmul peak behind MFU on a CPU (fastpt/monitoring/peak.py): measured once, cached
 per machine as plain JSON, and re-measured when the cached file is not this user's or not this key's."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from fastpt.machinery import peak
+from fastpt.monitoring import peak
 
 
 @pytest.fixture(autouse=True)

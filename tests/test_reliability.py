@@ -25,8 +25,8 @@ import torch
 from conftest import fastpt_frames
 
 from fastpt.cli.shell import EXIT_BAD_INPUT
-from fastpt.machinery import checkpoint
-from fastpt.machinery.errors import EXIT_STOPPED
+from fastpt.files import checkpoint
+from fastpt.errors import EXIT_STOPPED
 from train import main
 
 
@@ -191,10 +191,10 @@ def _poll_on_two_ranks(rank: int, init: str, answers) -> None:
 
     import torch.distributed as dist
 
-    from fastpt.machinery.bookkeeping import Bookkeeping
-    from fastpt.machinery.config import TrainConfig
-    from fastpt.machinery.distributed import DistInfo
-    from fastpt.machinery.signals import GracefulStop
+    from fastpt.loop.bookkeeping import Bookkeeping
+    from fastpt.config import TrainConfig
+    from fastpt.cluster.distributed import DistInfo
+    from fastpt.cluster.signals import GracefulStop
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     stopper = GracefulStop(timeout_s=60).install()
@@ -266,7 +266,7 @@ def test_sigterm_saves_checkpoint_and_exits_3(reference, imdb_dir, cache_dir, tm
 
 def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch):
     """In process, with os._exit caught: the handler must exit at once, inside the step."""
-    import fastpt.machinery.signals
+    import fastpt.cluster.signals
     from fastpt.strategies.base import Strategy
 
     class Exited(BaseException):
@@ -284,8 +284,8 @@ def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch)
             os.kill(os.getpid(), signal.SIGTERM)
         return original(self)
 
-    monkeypatch.setattr(fastpt.machinery.signals.os, "_exit", exit_now)
-    monkeypatch.setattr(fastpt.machinery.signals, "REPEAT_S", 0.0)  # not the first one delivered twice
+    monkeypatch.setattr(fastpt.cluster.signals.os, "_exit", exit_now)
+    monkeypatch.setattr(fastpt.cluster.signals, "REPEAT_S", 0.0)  # not the first one delivered twice
     monkeypatch.setattr(Strategy, "optimizer_step", step)
     handler_before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Exited) as exited:
@@ -302,7 +302,7 @@ def test_second_signal_stops_at_once(imdb_dir, cache_dir, tmp_path, monkeypatch)
     ("USR1", 0.0, None),    # the warning signal only warns, however late it comes again
 ])
 def test_a_second_signal_stops_at_once_unless_it_is_the_first_again(second, repeat_s, exits, monkeypatch):
-    import fastpt.machinery.signals as signals
+    import fastpt.cluster.signals as signals
 
     class Exited(BaseException):
         pass

@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from fastpt.inputs import data
-from fastpt.machinery.config import TrainConfig
-from fastpt.machinery import resize
-from fastpt.machinery.checkpoint import load
-from fastpt.machinery.errors import CheckpointError
+from fastpt.config import TrainConfig
+from fastpt.cluster import resize
+from fastpt.files.checkpoint import load
+from fastpt.errors import CheckpointError
 from train import main as train_main
 from test_distributed import results, step_losses  # the same readers of a run folder
 

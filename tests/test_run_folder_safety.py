@@ -19,7 +19,8 @@ import torch
 
 from fastpt.cli import run_folder
 from fastpt.cli.shell import EXIT_BAD_INPUT
-from fastpt.machinery import checkpoint, distributed
+from fastpt.files import checkpoint
+from fastpt.cluster import distributed
 from train import main
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from fastpt.machinery import slurm
+from fastpt.cluster import slurm
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "slurm" / "local_cluster.sh"

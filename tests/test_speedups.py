@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastpt.inputs import data, models
-from fastpt.machinery.config import TrainConfig
+from fastpt.config import TrainConfig
 from fastpt.loop.evaluation import evaluate
 from fastpt.loop.step import classify, make_forward_loss
-from fastpt.machinery import metrics
-from fastpt.machinery.checkpoint import load_model_weights
-from fastpt.machinery.distributed import DistInfo
+from fastpt.monitoring import metrics
+from fastpt.files.checkpoint import load_model_weights
+from fastpt.cluster.distributed import DistInfo
 from fastpt.speedups import backends
 from fastpt.strategies import build_strategy
 from fastpt.strategies.base import Strategy

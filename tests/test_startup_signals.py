@@ -1,6 +1,6 @@
 """SIGTERM or SIGINT before training starts: one line, status 128 + signal, nothing left behind.
 
-Before the loop installs its graceful stop (machinery/signals.py) there is no step to finish:
+Before the loop installs its graceful stop (cluster/signals.py) there is no step to finish:
 the command stops at once, removes what the new run wrote (config.json, tb/, its folders, the
 lock) and says so; a resumed run's checkpoints stay as they were. Each test sends the real signal to
 this process at one point of the start-up.

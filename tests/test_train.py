@@ -9,10 +9,10 @@ import torch
 
 from fastpt.inputs import data, token_cache
 from fastpt.inputs.models import load_model, load_tokenizer
-from fastpt.machinery.config import TrainConfig
+from fastpt.config import TrainConfig
 from fastpt.loop.evaluation import evaluate
-from fastpt.machinery import checkpoint
-from fastpt.machinery.distributed import DistInfo
+from fastpt.files import checkpoint
+from fastpt.cluster.distributed import DistInfo
 from fastpt.strategies.base import Strategy
 from train import main
 
@@ -38,7 +38,7 @@ def test_end_to_end_run_writes_every_output(tiny_args, tmp_path):
     assert results["epochs_run"] == 3 and not results["stopped_early"]
     assert results["test_examples"] == 32 and results["tested_on"] == "best"
     assert 0.0 <= results["test_acc"] <= 1.0 and results["samples_per_s"] > 0
-    # MFU on the CPU too, against the measured matmul peak (machinery/peak.py) that results.json names
+    # MFU on the CPU too, against the measured matmul peak (monitoring/peak.py) that results.json names
     assert 0 < results["mfu"] < 1 and results["peak_probe"]["dtype"] == "float32"
     assert results["peak_flops_per_s"] == max(s["flops_per_s"] for s in results["peak_probe"]["shapes"])
     # the best epoch is the first one with the highest validation accuracy

@@ -1,4 +1,4 @@
-"""The command line: `train.py`'s flags, parsed into a `TrainConfig` (machinery/config.py).
+"""The command line: `train.py`'s flags, parsed into a `TrainConfig` (config.py).
 
 Errors are one line on stderr and exit status 2; `--help` shows every default once. A flag
 that only means something beside another (`--amp-dtype` without `--amp`) is refused, never
@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from fastpt.machinery.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, flag_name
+from fastpt.config import CHOICES, NEEDS, STRATEGIES, TrainConfig, flag_name
 
 
 class OneLineParser(argparse.ArgumentParser):

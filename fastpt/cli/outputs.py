@@ -16,8 +16,10 @@ import torch
 from fastpt.inputs import data, own_data, token_cache
 from fastpt.loop.evaluation import f1_by_class, per_class
 from fastpt.loop.record import RunRecord
-from fastpt.machinery import checkpoint, distributed, metrics
-from fastpt.machinery.errors import DataError
+from fastpt.files import checkpoint
+from fastpt.cluster import distributed
+from fastpt.monitoring import metrics
+from fastpt.errors import DataError
 
 
 def save_best(ckpt_dir: Path, cfg, dist, strategy, epoch: int, step: int, value: float) -> None:

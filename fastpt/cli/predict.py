@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from fastpt.cli.args import DefaultsFormatter, OneLineParser
 from fastpt.cli.predictions import output_format
 from fastpt.cli.run_folder import MARKER
-from fastpt.machinery.errors import CheckpointError, DataError, DiskFull, ModelError, one_line
+from fastpt.errors import CheckpointError, DataError, DiskFull, ModelError, one_line
 
 
 def build_parser() -> OneLineParser:
@@ -87,7 +87,7 @@ def load_trained(folder: Path, which: str | None):
                     None)
         if path is None:
             raise ModelError(f"--model {folder} is a run folder without checkpoints/{' or '.join(candidates)}.pt")
-        from fastpt.machinery import checkpoint
+        from fastpt.files import checkpoint
         state = checkpoint.load(path)  # weights_only
         training = state.get("training")
         weights = state.get("model") or (training.get("model") if isinstance(training, dict) else None)
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_paths(args)
-        from fastpt.machinery import distributed
+        from fastpt.cluster import distributed
         dist = distributed.init(args.device)
         run(args, dist)
         return 0
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
         return 1 if isinstance(e, DiskFull) else 2
     finally:
         if dist is not None:
-            from fastpt.machinery import distributed
+            from fastpt.cluster import distributed
             distributed.shutdown()
 
 

@@ -47,7 +47,7 @@ def write_predictions(path: Path, leading: dict, label_names: list, predicted, p
     """Write the file: the `leading` columns ({name: values}: where, text, label), then predicted and prob_*.
 
     `predicted` holds label ids, `probabilities` an [examples, labels] array; all in the same order."""
-    from fastpt.machinery.checkpoint import write_atomic  # torch: not for the command line's checks
+    from fastpt.files.checkpoint import write_atomic  # torch: not for the command line's checks
 
     names = [*leading, "predicted", *probability_columns(label_names)]
     rows = ([*(values[i] for values in leading.values()), label_names[int(p)],

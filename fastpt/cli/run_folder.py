@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastpt.machinery.config import LATER_SETTINGS, RESUME_SENSITIVE, TrainConfig
+from fastpt.config import LATER_SETTINGS, RESUME_SENSITIVE, TrainConfig
 
 
 TOP_FILES = ("config.json", "results.json", "predictions.csv")  # the files a run writes at its folder's top
@@ -76,7 +76,7 @@ def check_export_dir(path: Path, out: Path, overwrite: bool) -> None:
     --overwrite replaces an earlier export's files, those its manifest lists, and refuses a folder
     holding anything else (a model sharded by another tool, say), naming a few of them.
     """
-    from fastpt.machinery.checkpoint import EXPORT_MANIFEST, exported_files
+    from fastpt.files.checkpoint import EXPORT_MANIFEST, exported_files
 
     check_output_folder(path, "--export-dir")
     export, run = path.resolve(), out.resolve()
@@ -108,7 +108,7 @@ def run_folder_of(checkpoint_path: Path) -> Path:
 
 
 def choose_out(cfg: TrainConfig) -> Path:
-    from fastpt.machinery import distributed
+    from fastpt.cluster import distributed
 
     if cfg.resume not in (None, "auto"):
         return run_folder_of(Path(cfg.resume))
@@ -194,7 +194,7 @@ class RunFolderLock:
 def claim_out_dir(out: Path, dist, new: bool = False) -> tuple[Path, RunFolderLock | None]:
     """Rank 0 locks the run folder (with `new`, one it creates: out, or out-2, ...) and removes the
     temporaries a killed run left; every rank gets the folder, or its error, so all stop together."""
-    from fastpt.machinery import distributed
+    from fastpt.cluster import distributed
 
     lock, outcome = None, None
     if dist.is_main:
@@ -213,7 +213,7 @@ def claim_out_dir(out: Path, dist, new: bool = False) -> tuple[Path, RunFolderLo
 def remove_stale_temporaries(out: Path) -> None:
     """The half-written files of a run killed mid-save (`.last.pt.<hex>.tmp`): under the lock, no run
     is writing them. Only regular files named after a file fastpt writes there are removed."""
-    from fastpt.machinery.checkpoint import temporary_of
+    from fastpt.files.checkpoint import temporary_of
 
     written_by_fastpt = {out: (*TOP_FILES, MARKER), out / "checkpoints": ("best.pt", "last.pt")}
     for folder, names in written_by_fastpt.items():
@@ -232,8 +232,8 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     plan (the resume state as torch.save bytes) or its error travels to every rank, so every
     rank continues from the same state or stops with the same line.
     """
-    from fastpt.machinery import distributed
-    from fastpt.machinery.errors import CheckpointError
+    from fastpt.cluster import distributed
+    from fastpt.errors import CheckpointError
 
     if dist.world_size == 1:
         return read_out_dir(cfg, dist, out)
@@ -263,7 +263,7 @@ def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     left to train under these flags is left alone: RunFinished. Asking it for more (a larger
     --epochs or --max-steps) continues it.
     """
-    from fastpt.machinery.checkpoint import load as load_checkpoint
+    from fastpt.files.checkpoint import load as load_checkpoint
 
     finished = (out / "results.json").exists()
     resume_path = Path(cfg.resume) if cfg.resume not in (None, "auto") else None
@@ -308,7 +308,7 @@ def removable(out: Path) -> list[str]:
     layout), tb/'s event files, their temporaries. A symbolic link there is never followed nor removed. Files
     beside those (a log that a script keeps in the run folder, notes) are left where they are.
     """
-    from fastpt.machinery.checkpoint import temporary_of
+    from fastpt.files.checkpoint import temporary_of
 
     paths, foreign = [], []
     for entry in sorted(out.iterdir()):
@@ -343,7 +343,7 @@ def _walk(out: Path, path: Path, paths: list[str], foreign: list[str]) -> None:
 
 def _fastpt_writes(relative: tuple[str, ...], is_dir: bool) -> bool:
     """Whether a run writes this path (relative to the run folder)."""
-    from fastpt.machinery.checkpoint import temporary_of
+    from fastpt.files.checkpoint import temporary_of
 
     top, name = relative[0], relative[-1]
     if len(relative) == 1:
@@ -392,8 +392,8 @@ def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
 
 
 def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path: Path) -> None:
-    from fastpt.machinery import resize
-    from fastpt.machinery.errors import CheckpointError
+    from fastpt.cluster import resize
+    from fastpt.errors import CheckpointError
 
     if not isinstance(state, dict) or not {"progress", "config", "training", "per_rank"} <= state.keys():
         raise CheckpointError(f"{path} is not a fastpt last.pt checkpoint")
@@ -411,8 +411,8 @@ def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: s
     With a checkpoint (batch_size_flag given) the number of processes may change (resize.py), and
     --batch-size may then be the one the run was started with or one that keeps the global batch.
     """
-    from fastpt.machinery import resize
-    from fastpt.machinery.errors import CheckpointError
+    from fastpt.cluster import resize
+    from fastpt.errors import CheckpointError
 
     resuming = batch_size_flag is not None
     for name in RESUME_SENSITIVE:
@@ -447,7 +447,7 @@ def check_same_data(plan: OutPlan, cfg: TrainConfig, inputs) -> None:
     """
     import torch
 
-    from fastpt.machinery.errors import CheckpointError
+    from fastpt.errors import CheckpointError
 
     where = f"cannot continue the run in {plan.out}"
     if plan.data_key is not None and plan.data_key != data_key(inputs):
@@ -482,8 +482,8 @@ def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist, data_key: str | None = 
 
     Only what `removable` listed is removed: a file that appeared since stays (its folder too).
     """
-    from fastpt.machinery import distributed
-    from fastpt.machinery.tracking import write_json_atomic
+    from fastpt.cluster import distributed
+    from fastpt.monitoring.tracking import write_json_atomic
 
     distributed.barrier()  # every rank has looked at the folder before rank 0 changes it
     if dist.is_main:

@@ -13,7 +13,7 @@ order: train.py calls it, in this order,
 
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
 stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT (or --requeue-signal)
-after writing checkpoints/last.pt, 0 if that signal then requeued the SLURM job (machinery/slurm.py);
+after writing checkpoints/last.pt, 0 if that signal then requeued the SLURM job (cluster/slurm.py);
 1 the run failed (e.g. the loss became NaN, the disk is full; earlier checkpoints are left
 untouched); 130 Ctrl-C, 143 SIGTERM before training started (what the new run wrote removed, no
 run folder left; a resumed run's checkpoints as they were). Under torchrun every rank returns the
@@ -42,10 +42,10 @@ from pathlib import Path
 
 from fastpt.cli.args import parse_args
 from fastpt.cli.run_folder import RunFinished, run_folder_of
-from fastpt.machinery.config import TrainConfig
-from fastpt.machinery.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
+from fastpt.config import TrainConfig
+from fastpt.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
                                      Requeued, StopRequested, one_line)
-from fastpt.machinery.signals import hold_warning_signal
+from fastpt.cluster.signals import hold_warning_signal
 
 
 EXIT_BAD_INPUT = 2
@@ -203,7 +203,7 @@ class CommandLine:
         self.stack.enter_context(hold_warning_signal(cfg.requeue_signal))
         check_environment(cfg)
         quiet_libraries(cfg.verbose)
-        from fastpt.machinery import distributed  # torch: only once the flags are good
+        from fastpt.cluster import distributed  # torch: only once the flags are good
         self.dist = distributed.init(cfg.device, needs_group=cfg.strategy != "single", timeout_s=cfg.dist_timeout)
         return cfg, self.dist
 
@@ -211,7 +211,8 @@ class CommandLine:
         """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet."""
         from fastpt.cli import run_folder
         from fastpt.inputs import token_cache
-        from fastpt.machinery import resize, shared_cache
+        from fastpt.cluster import resize
+        from fastpt.files import shared_cache
 
         cfg, dist = self.cfg, self.dist
         check_device_support(cfg, dist)
@@ -252,7 +253,7 @@ class CommandLine:
     @contextlib.contextmanager
     def exit_status(self):
         """Runs the command's body; whatever stops it becomes one line on stderr and `self.status`."""
-        from fastpt.machinery.signals import interrupt_on_signals
+        from fastpt.cluster.signals import interrupt_on_signals
 
         is_main = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"  # until the group exists
         stack = self.stack = contextlib.ExitStack()
@@ -288,10 +289,10 @@ class CommandLine:
                 print(f"{below_bar}{'' if isinstance(e, Requeued) else 'stopped: '}{e}", file=sys.stderr)
             self.status = 0 if isinstance(e, Requeued) else EXIT_STOPPED  # requeued: SLURM runs it again
             if self.dist.world_size > 1:
-                from fastpt.machinery.signals import settle
+                from fastpt.cluster.signals import settle
                 settle(self.status)  # the launcher's SIGTERM to the last ranks leaves the status as it is
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM while tokenising or building: nothing left behind
-            from fastpt.machinery.signals import Interrupted
+            from fastpt.cluster.signals import Interrupted
             if self.started and not isinstance(e, Interrupted):
                 raise  # a plain KeyboardInterrupt after training: Python's own behaviour
             kept = self._unstart() if self.started else "nothing was kept"
@@ -300,7 +301,7 @@ class CommandLine:
                       file=sys.stderr)
             self.status = 128 + getattr(e, "signum", signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
         except RuntimeError as e:  # a rank missing or dead: the group did not form, or a collective timed out
-            from fastpt.machinery import distributed
+            from fastpt.cluster import distributed
             if not distributed.lost_contact(e):
                 raise
             self.status = _lost_contact(e, self.dist.rank if self.dist else int(os.environ.get("RANK", 0)),
@@ -310,7 +311,7 @@ class CommandLine:
             if self.lock is not None:
                 self.lock.release(keep=self.started)  # nothing written yet (or undone): no run folder left behind
             if self.dist is not None:
-                from fastpt.machinery import distributed
+                from fastpt.cluster import distributed
                 distributed.shutdown()
 
     def _unstart(self) -> str:
@@ -347,7 +348,7 @@ def exit_process(status: int) -> None:
         # alone: the others give it time to say it.
         time.sleep(RANK_0_FIRST_S)
     if "torch.distributed" in sys.modules:  # --help and a bad flag never load torch
-        from fastpt.machinery import distributed
+        from fastpt.cluster import distributed
         distributed.leave(status)
     sys.exit(status)
 

@@ -24,7 +24,7 @@ import re
 import numpy as np
 
 from fastpt.inputs.tables import Table, accepted_names, show_column
-from fastpt.machinery.errors import DataError
+from fastpt.errors import DataError
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")  # a label that reads as a number is one
 

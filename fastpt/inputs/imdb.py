@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from fastpt.machinery.errors import DataError
+from fastpt.errors import DataError
 
 
 URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"

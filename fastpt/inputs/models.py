@@ -32,7 +32,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig,
                           PreTrainedModel)
 
-from fastpt.machinery.errors import ModelError, one_line
+from fastpt.errors import ModelError, one_line
 
 
 NUM_LABELS = 2

@@ -37,8 +37,8 @@ import numpy as np
 from fastpt.inputs import token_cache
 from fastpt.inputs.columns import check_texts, label_ids, read_labels, resolve_columns
 from fastpt.inputs.tables import file_kind, read_file, read_source
-from fastpt.machinery import shared_cache
-from fastpt.machinery.errors import DataError, DiskFull
+from fastpt.files import shared_cache
+from fastpt.errors import DataError, DiskFull
 
 
 # 2: the file types in the key, the digest, the paths the cache was built from;

@@ -10,7 +10,7 @@ nodes need not share a disk.
 
 A cache folder may be shared (one FASTPT_CACHE_DIR for a team), so it is not trusted blindly:
 its build records a digest of every file, every load checks it, and a folder closed to this user
-or a full disk is one line (machinery/shared_cache.py: the lock, the atomic publish, the checks).
+or a full disk is one line (files/shared_cache.py: the lock, the atomic publish, the checks).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import numpy as np
 
 from fastpt.inputs import imdb
 from fastpt.inputs.data import TokenizedSplit
-from fastpt.machinery import shared_cache
-from fastpt.machinery.errors import DataError, DiskFull
+from fastpt.files import shared_cache
+from fastpt.errors import DataError, DiskFull
 
 
 CACHE_VERSION = 3  # 3: every cache folder carries its digest

@@ -3,12 +3,12 @@
     load_inputs(cfg, dist) -> Inputs        tokenizer, model (initial weights), tokenised splits
     build(cfg, dist, inputs, strategy, out_dir, resume_state) -> Parts:
         backends                            TF32, deterministic kernels, the compile cache (backends.py)
-        tracker                             console, TensorBoard (rank 0 writes; machinery/tracking.py)
+        tracker                             console, TensorBoard (rank 0 writes; monitoring/tracking.py)
         loaders                             global batches, each rank its share (inputs/data.py)
         --cheap-dropout, --pack             dropout's masks, packed batches (speedups/dropout.py, packing.py)
         strategy.setup(model)               to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer
         forward_loss, eval_sums             step.py / evaluation.py, compiled where the strategy does
-        bookkeeping, record                 counters, throughput (machinery/); best epoch, early stopping (record.py)
+        bookkeeping, record                 counters, throughput (bookkeeping.py); best epoch, early stopping (record.py)
 
 `build` builds; it does not decide the order of a run, and the parts have no methods that run
 one. train.py does: for each epoch `step.train_epoch`, `evaluation.evaluate`, the best tracker,
@@ -35,11 +35,12 @@ from fastpt.loop.early_stopping import BestTracker, EarlyStopping
 from fastpt.loop.evaluation import make_eval_sums
 from fastpt.loop.record import RunRecord
 from fastpt.loop.step import class_weights, make_forward_loss
-from fastpt.machinery import distributed, metrics
-from fastpt.machinery.bookkeeping import Bookkeeping
-from fastpt.machinery.config import TrainConfig
-from fastpt.machinery.signals import GracefulStop
-from fastpt.machinery.tracking import NullTracker, Tracker
+from fastpt.cluster import distributed
+from fastpt.monitoring import metrics
+from fastpt.loop.bookkeeping import Bookkeeping
+from fastpt.config import TrainConfig
+from fastpt.cluster.signals import GracefulStop
+from fastpt.monitoring.tracking import NullTracker, Tracker
 from fastpt.speedups import backends
 from fastpt.strategies.base import Strategy
 from fastpt.strategies.optimizer import total_steps
@@ -263,11 +264,11 @@ def pack_attention_choice(cfg, dist, model, resume_state: dict | None = None) ->
 
 def device_peak(cfg, dist, hidden: int) -> dict:
     """The dense peak FLOP/s at the run's precision: the vendor's figure for a known GPU, else the best
-    rate of a short matmul probe on this device (machinery/peak.py), cached per machine."""
+    rate of a short matmul probe on this device (monitoring/peak.py), cached per machine."""
     vendor = metrics.device_peak_flops(dist.device, cfg.amp, cfg.tf32)
     if vendor is not None:
         return {"flops_per_s": vendor, "source": f"vendor's dense figure for {torch.cuda.get_device_name(dist.device)}"}
-    from fastpt.machinery import peak
+    from fastpt.monitoring import peak
     distributed.barrier()  # the ranks of one host probe together, sharing its cores as their steps will
     dtype = getattr(torch, cfg.amp_dtype) if cfg.amp else torch.float32
     return peak.measured_peak(dist.device, dtype, hidden, Path(cfg.cache_dir) if cfg.cache_dir else None,

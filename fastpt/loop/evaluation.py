@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from fastpt.loop.step import classify
-from fastpt.machinery.distributed import all_gather_object, all_reduce_sum
+from fastpt.cluster.distributed import all_gather_object, all_reduce_sum
 
 
 def make_eval_sums(strategy, max_length: int, class_weights: torch.Tensor | None = None):

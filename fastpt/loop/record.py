@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
 from fastpt.loop.evaluation import confusion_text, per_class
-from fastpt.machinery.errors import NonFiniteLoss
+from fastpt.errors import NonFiniteLoss
 
 
 @dataclass

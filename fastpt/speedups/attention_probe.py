@@ -13,7 +13,7 @@ save (scripts/results/packing-kernels-cpu.md).
 
 What it costs: each kernel timed in two passes (A B B A, the faster kept), about 2 s in float32
 and 6 s in bfloat16 on a 2-core AVX2 CPU (which emulates bfloat16), once per machine: the figures
-are cached as JSON under the cache folder (`<cache dir>/pack-attention/`, as machinery/peak.py
+are cached as JSON under the cache folder (`<cache dir>/pack-attention/`, as monitoring/peak.py
 caches the matmul peak), keyed by the CPU, torch's version, threads, ranks per host, dtype, heads,
 head width, and the batch's lengths.
 The file records each kernel's seconds and the shapes; one that another user wrote, that does not
@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from fastpt.machinery import peak
+from fastpt.monitoring import peak
 from fastpt.speedups.packed_attention import KERNEL_FUNCTIONS
 
 CANDIDATES = ("loop", "grouped")

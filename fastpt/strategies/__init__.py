@@ -3,8 +3,8 @@ its optimiser and learning-rate schedule from optimizer.py."""
 
 from __future__ import annotations
 
-from fastpt.machinery.config import TrainConfig
-from fastpt.machinery.distributed import DistInfo
+from fastpt.config import TrainConfig
+from fastpt.cluster.distributed import DistInfo
 from fastpt.strategies.base import Strategy
 
 

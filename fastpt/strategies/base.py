@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from fastpt.machinery.config import TrainConfig
-from fastpt.machinery.distributed import DistInfo
+from fastpt.config import TrainConfig
+from fastpt.cluster.distributed import DistInfo
 from fastpt.speedups.amp import MixedPrecision
 from fastpt.speedups.compile import apply_compile, compile_layers, mark_token_dim_dynamic
 from fastpt.strategies.optimizer import build_lr_scheduler, build_optimizer

@@ -56,9 +56,9 @@ from pathlib import Path
 
 import torch
 
-from fastpt.machinery.config import TrainConfig
-from fastpt.machinery import distributed
-from fastpt.machinery.errors import CheckpointError
+from fastpt.config import TrainConfig
+from fastpt.cluster import distributed
+from fastpt.errors import CheckpointError
 from fastpt.speedups.amp import MixedPrecision
 from fastpt.strategies.base import Strategy, local_bytes
 from fastpt.strategies.deepspeed_checkpoint import checked_tag, weights_only_loads, written_by

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fastpt.machinery.errors import CheckpointError
+from fastpt.errors import CheckpointError
 
 
 def written_by(tag_folder: Path) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastpt.machinery.config import TrainConfig
+from fastpt.config import TrainConfig
 from fastpt.strategies.optimizer import has_schedule
 
 

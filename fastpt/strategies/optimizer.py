@@ -40,7 +40,7 @@ import re
 import torch
 from torch import nn
 
-from fastpt.machinery.config import TrainConfig
+from fastpt.config import TrainConfig
 
 
 # Trainer.get_decay_parameter_names (transformers 5): matched against the lower-cased parameter name.

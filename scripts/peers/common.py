@@ -6,11 +6,11 @@ fastpt itself: the tokeniser and model (`fastpt.inputs.models`), the cached 35k/
 `head(n)` subsets, the `Collator` (same padding), the rank-aware batch samplers (same
 batches on every rank, same evaluation shards), seed 123 and Adam at 5e-5.
 
-Timing follows fastpt's `train_time_s` and `samples_per_s` exactly (machinery/bookkeeping.py):
+Timing follows fastpt's `train_time_s` and `samples_per_s` exactly (loop/bookkeeping.py):
 - `train_time_s` sums, over epochs, the wall time from the start of the training epoch to
   the end of its validation; setup, checkpoint writing and the test are outside it;
 - `samples_per_s` counts training samples after the first WARMUP_STEPS optimiser steps,
-  over training time only (validation excluded), with `fastpt.machinery.metrics.Throughput`,
+  over training time only (validation excluded), with `fastpt.monitoring.metrics.Throughput`,
   multiplied by the number of processes (ranks run in lockstep).
 """
 
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from fastpt.inputs import data, token_cache  # noqa: E402
 from fastpt.inputs.models import count_parameters, load_model, load_tokenizer  # noqa: E402
 from fastpt.loop.build import WARMUP_STEPS, seed_everything  # noqa: E402
-from fastpt.machinery import metrics  # noqa: E402
+from fastpt.monitoring import metrics  # noqa: E402
 
 
 PRECISIONS = ("32", "bf16", "16")  # fp32, bfloat16 autocast, float16 autocast + GradScaler
@@ -112,7 +112,7 @@ def make_meter(model, device: torch.device, precision: str | None = None) -> met
     if precision is not None:
         peak = metrics.device_peak_flops(device, amp=precision != "32", tf32=False)
         if peak is None:  # a CPU: the same measured matmul peak fastpt's own runs use (cached per machine)
-            from fastpt.machinery.peak import measured_peak
+            from fastpt.monitoring.peak import measured_peak
             dtype = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}[precision]
             info = measured_peak(device, dtype, hidden, token_cache.cache_root(None),
                                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from fastpt.machinery import metrics
+from fastpt.monitoring import metrics
 
 
 PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}

@@ -26,7 +26,7 @@ import train  # noqa: E402
 from fastpt.cli.shell import exit_process  # noqa: E402
 from fastpt.inputs import data, models  # noqa: E402
 from fastpt.loop import step  # noqa: E402
-from fastpt.machinery import distributed  # noqa: E402
+from fastpt.cluster import distributed  # noqa: E402
 
 
 CURRENT = {"out": None, "steps": 0, "stop_at": None}

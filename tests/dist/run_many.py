@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train  # noqa: E402
 from fastpt.cli.shell import exit_process  # noqa: E402
 from fastpt.inputs import models  # noqa: E402
-from fastpt.machinery import distributed  # noqa: E402
+from fastpt.cluster import distributed  # noqa: E402
 
 
 def no_dropout_tiny_config():

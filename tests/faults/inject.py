@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from fastpt.machinery import checkpoint  # noqa: E402
+from fastpt.files import checkpoint  # noqa: E402
 from fastpt.strategies.base import Strategy  # noqa: E402
 from train import exit_process, main  # noqa: E402
 
@@ -67,7 +67,7 @@ def die_in_save(n: int) -> None:
 
 def two_runs(first: list[str], second: list[str]) -> int:
     """Two runs in the same processes, keeping the process group: saves a torchrun launch."""
-    from fastpt.machinery import distributed
+    from fastpt.cluster import distributed
 
     shutdown, distributed.shutdown = distributed.shutdown, lambda: None
     status = main(first)

@@ -21,7 +21,7 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-from fastpt.machinery.config import NEEDS
+from fastpt.config import NEEDS
 
 
 # Tags the run logs: train/loss per log step, epoch/<metric> and val_<f1|precision|recall>/<label> per
@@ -111,8 +111,8 @@ class NullTracker(Tracker):
 @contextlib.contextmanager
 def _event_file_errors(folder: Path):
     """A full disk under TensorBoard's writer becomes fastpt's one-line DiskFull (exit status 1)."""
-    from fastpt.machinery.checkpoint import disk_full
-    from fastpt.machinery.errors import DiskFull
+    from fastpt.files.checkpoint import disk_full
+    from fastpt.errors import DiskFull
 
     try:
         yield
@@ -153,7 +153,7 @@ def _after_existing_event_files(folder: Path) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    from fastpt.machinery.checkpoint import write_atomic
+    from fastpt.files.checkpoint import write_atomic
 
     text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
     write_atomic(path, lambda f: f.write(text.encode()))

@@ -19,7 +19,7 @@ L: layers, d: hidden width. The second term is attention's QK^T and AV products,
 an encoder attends both ways), over the review's own length. The peaks are the vendors' dense
 16-bit / TF32 / FP32 figures (H100 and H200 SXM: 989 TFLOP/s bf16 dense); a large bf16 matmul
 measured about 790 TFLOP/s on an H200, so about 80% MFU is the practical ceiling. A CPU has no
-such figure: its peak is measured by a short matmul probe (machinery/peak.py).
+such figure: its peak is measured by a short matmul probe (monitoring/peak.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ PEAK_FLOPS = {
 
 def device_peak_flops(device: torch.device, amp: bool, tf32: bool) -> Optional[float]:
     """The vendor's peak for this GPU and precision, or None where unknown (CPUs, other GPUs: measured,
-    machinery/peak.py)."""
+    monitoring/peak.py)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -99,7 +99,7 @@ class Throughput:
                  peak_info: Optional[dict] = None):
         self.device, self.warmup_steps = device, warmup_steps
         self.flops_fn, self.peak = flops_fn, peak_flops
-        self.peak_info = peak_info  # where the peak comes from (machinery/peak.py), for results.json
+        self.peak_info = peak_info  # where the peak comes from (monitoring/peak.py), for results.json
         self.steps = 0
         self.total = self._zero()
         self.window = self._zero()

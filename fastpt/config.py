@@ -171,7 +171,7 @@ class TrainConfig:
     save_every: Optional[int] = None
     save_every_minutes: float = 10.0  # last.pt by rank 0's clock too (bookkeeping.py); 0: off
     resume: Optional[str] = None
-    requeue_signal: str = "USR1"  # SLURM's warning before a time limit: save, requeue the job (machinery/slurm.py)
+    requeue_signal: str = "USR1"  # SLURM's warning before a time limit: save, requeue the job (cluster/slurm.py)
     progress: bool = True
     tensorboard: bool = True
     verbose: bool = False

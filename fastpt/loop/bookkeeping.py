@@ -33,8 +33,9 @@ from typing import Optional
 
 import torch
 
-from fastpt.machinery import distributed, metrics, slurm
-from fastpt.machinery.errors import NonFiniteLoss, Requeued, StopRequested
+from fastpt.cluster import distributed, slurm
+from fastpt.monitoring import metrics
+from fastpt.errors import NonFiniteLoss, Requeued, StopRequested
 
 
 # float16 AMP hides a diverged run: the GradScaler skips every step whose gradients hold inf/NaN
@@ -194,7 +195,7 @@ class Bookkeeping:
     def stopped(self, due: Due) -> StopRequested:
         """After last.pt is written for a stop: what ends the run. Status 3 with how to resume, or, after
         SLURM's warning signal in a job that can be requeued, the job requeued and status 0 (slurm.py)."""
-        requeued = slurm.requeue_after_stop(self.stopper, self.dist.is_main)  # every rank: a collective
+        requeued = slurm.requeue_after_stop(self.stopper, self.dist.is_main, distributed.broadcast_object)  # every rank: a collective
         if requeued:  # the job runs again and continues from last.pt
             return Requeued(f"signal {self.stopper.signal_name.removeprefix('SIG')}: saved step "
                             f"{self.global_step}, {requeued}")

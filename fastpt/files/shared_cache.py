@@ -35,7 +35,7 @@ import stat
 from pathlib import Path
 from typing import Optional
 
-from fastpt.machinery.errors import DataError, DiskFull
+from fastpt.errors import DataError, DiskFull
 
 DIGEST = "fastpt_digest.json"  # the SHA-256 of every other file of a cache folder, written when it is built
 

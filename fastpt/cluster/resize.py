@@ -33,7 +33,7 @@ import random
 import numpy as np
 import torch
 
-from fastpt.machinery.errors import CheckpointError
+from fastpt.errors import CheckpointError
 
 
 def resizable(cfg) -> bool:

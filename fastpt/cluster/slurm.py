@@ -143,14 +143,14 @@ def requeue(job: str) -> str | None:
     return None
 
 
-def requeue_after_stop(stopper, is_main: bool) -> str | None:
+def requeue_after_stop(stopper, is_main: bool, broadcast_object) -> str | None:
     """After the warning signal, under SLURM, with last.pt written: rank 0 requeues the job.
 
     Returns what happened for the console line when the job was requeued (every rank: all then
     exit with status 0), None when it was not (another signal, not a SLURM job, or the job cannot
-    be requeued: rank 0 says why). Every rank calls it: the outcome is sent to all.
+    be requeued: rank 0 says why). Every rank calls it: the outcome is sent to all with
+    `broadcast_object` (distributed.py's, passed in: distributed.py imports this file).
     """
-    from fastpt.machinery import distributed
 
     job = job_to_requeue()
     if stopper.stop_signal != stopper.warning_signal or job is None:
@@ -160,7 +160,7 @@ def requeue_after_stop(stopper, is_main: bool) -> str | None:
     # Nothing is left to save; the processes only need to leave, before SLURM's KillWait runs out.
     stopper.ignore_signals()
     failed = requeue(job) if is_main else None
-    failed = distributed.broadcast_object(failed)
+    failed = broadcast_object(failed)
     if failed:
         if is_main:
             print(f"note: job {job} not requeued: {failed}", flush=True)

@@ -13,7 +13,7 @@ from rank 0's files (the resume state, best.pt's weights) comes over the group (
 and each node builds or reads its own token cache (token_cache.prepare_splits).
 
 Under SLURM, `srun --ntasks=N python train.py --ddp` works without torchrun: `init` first sets
-torchrun's variables from SLURM's (machinery/slurm.py).
+torchrun's variables from SLURM's (cluster/slurm.py).
 
 Elastic restarts (`torchrun --max-restarts=N`): torchrun's c10d rendezvous by default hands the
 workers a TCPStore that its agent hosts and keeps across restarts (TORCHELASTIC_USE_AGENT_STORE=True).
@@ -40,7 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fastpt.machinery import slurm
+from fastpt.cluster import slurm
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastpt.machinery.errors import CheckpointError, DiskFull, one_line
+from fastpt.errors import CheckpointError, DiskFull, one_line
 
 
 EXPORT_MANIFEST = ".fastpt-export.json"  # in an --export-dir: the files fastpt wrote there
