@@ -38,11 +38,12 @@ def trained(tmp_path_factory, cache_dir):
     test_rows = rows(31, seed=5)
     train_csv, test_csv = write_csv(root / "train.csv", rows(120)), write_csv(root / "test.csv", test_rows)
     run, export = root / "run", root / "export"
-    assert train(["--model", "tiny", "--data", str(train_csv), "--test-data", str(test_csv), "--cache-dir",
-                  str(cache_dir), "--max-length", "24", "--batch-size", "8", "--epochs", "3", "--lr", "3e-3",
-                  "--no-progress", "--no-tensorboard", "--out", str(run), "--export-dir", str(export)]) == 0
+    flags = ["--model", "tiny", "--data", str(train_csv), "--test-data", str(test_csv), "--cache-dir", str(cache_dir),
+             "--max-length", "24", "--batch-size", "8", "--epochs", "3", "--lr", "3e-3", "--no-progress",
+             "--no-tensorboard"]
+    assert train([*flags, "--out", str(run), "--export-dir", str(export)]) == 0
     return {"root": root, "run": run, "export": export, "test_csv": test_csv, "test_rows": test_rows,
-            "results": json.loads((run / "results.json").read_text())}
+            "flags": flags, "results": json.loads((run / "results.json").read_text())}
 
 
 def test_predictions_csv_counts_to_the_results_confusion(trained):
@@ -102,6 +103,42 @@ def test_predict_matches_the_pipeline_from_the_export_and_the_run_folder(trained
     assert as_text["export"] == as_text["run"]  # the same file, CSV and JSON Lines
     run_file = read_predictions(trained["run"] / "predictions.csv")
     assert [p["predicted"] for p in run_file] == [p["predicted"] for p in outputs["run"]]
+
+
+def test_last_pt_of_a_finished_run_exists_only_with_save_every(trained, tmp_path, capsys):
+    """A finished run writes last.pt only where --save-every asked for it (then also after each epoch, so it
+    holds the final weights); without it, `--checkpoint last` and `--resume auto` find none and say so."""
+    from fastpt.files import checkpoint
+
+    plain = trained["run"]  # no --save-every, shorter than --save-every-minutes: best.pt only
+    assert (plain / "checkpoints" / "best.pt").is_file() and not (plain / "checkpoints" / "last.pt").exists()
+    capsys.readouterr()
+    out = tmp_path / "from-last.csv"
+    assert predict(["--model", str(plain), "--data", str(trained["test_csv"]), "--out", str(out),
+                    "--checkpoint", "last"]) == 2
+    assert "without checkpoints/last.pt" in capsys.readouterr().err and not out.exists()
+    before = sorted(p.name for p in plain.rglob("*"))
+    assert train([*trained["flags"], "--out", str(plain), "--resume", "auto", "--epochs", "4"]) == 2
+    assert "holds a finished run" in capsys.readouterr().err  # nothing to continue from
+    assert sorted(p.name for p in plain.rglob("*")) == before
+
+    # --save-every larger than the run and --test-on last: last.pt is the end of the last epoch, whose
+    # weights the run tested, so predicting from it gives the run's own predictions.csv.
+    run = tmp_path / "saved"
+    assert train([*trained["flags"], "--epochs", "2", "--out", str(run), "--save-every", "1000",
+                  "--test-on", "last"]) == 0
+    results = json.loads((run / "results.json").read_text())
+    assert checkpoint.load(run / "checkpoints" / "last.pt")["progress"]["global_step"] == results["global_steps"]
+    assert predict(["--model", str(run), "--data", str(trained["test_csv"]), "--out", str(out),
+                    "--checkpoint", "last"]) == 0
+    names = results["label_names"]
+    assert np.allclose(probabilities(read_predictions(out), names),
+                       probabilities(read_predictions(run / "predictions.csv"), names), atol=1e-5)
+    capsys.readouterr()
+    assert train([*trained["flags"], "--epochs", "2", "--out", str(run), "--save-every", "1000", "--test-on", "last",
+                  "--resume", "auto"]) == 0  # finished, and last.pt says there is nothing left to train
+    said = capsys.readouterr()
+    assert "is finished" in said.out + said.err, said
 
 
 def test_unlabelled_texts_are_predicted_without_a_label_column(trained, capsys):
