@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $FASTPT_DATA_DIR, else ./data, downloading if missing)")
     g.add_argument("--data", default=None, metavar="PATH_OR_NAME",
                    help="your own data instead of IMDB: a .csv, .tsv, .jsonl or .parquet file, a folder written by "
-                        "datasets' save_to_disk, or a Hugging Face Hub dataset name (README: Your own data)")
+                        "datasets' save_to_disk, or a Hugging Face Hub dataset name (docs/own-data.md)")
     g.add_argument("--val-data", default=None, metavar="FILE",
                    help="with --data: the validation split's own file (default: carved from --data)")
     g.add_argument("--test-data", default=None, metavar="FILE",
