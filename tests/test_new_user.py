@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -39,13 +38,20 @@ def _help_entries(text: str) -> dict[str, str]:
     return {flag: " ".join(entry.split()) for flag, entry in entries.items()}
 
 
+def imported(importtime: str) -> set[str]:
+    """The modules `python -X importtime` reports, from its stderr."""
+    return {line.split("|")[-1].strip() for line in importtime.splitlines() if line.startswith("import time:")}
+
+
 @pytest.mark.parametrize("command", [["train.py"], ["-m", "fastpt"]], ids=["train.py", "python -m fastpt"])
-def test_help_is_fast_and_shows_every_default_once(command):
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    elapsed = time.perf_counter() - start
-    assert proc.returncode == 0, proc.stderr
-    assert elapsed < 5, f"--help took {elapsed:.1f} s"
+def test_help_answers_without_torch_and_shows_every_default_once(command):
+    """--help answers at once because it imports neither torch nor transformers (their import is what
+    takes seconds), whatever the machine's speed."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *command, "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    modules = imported(proc.stderr)
+    assert "argparse" in modules and not modules & {"torch", "transformers", "numpy"}, sorted(modules)
     entries = _help_entries(proc.stdout)
     for flag, default in (("--max-length", "512"), ("--lr", "5e-05"), ("--epochs", "3"), ("--amp-dtype", "float16"),
                           ("--zero-stage", "2"), ("--monitor-metric", "val_acc"), ("--log-every", "50"),
@@ -134,7 +140,10 @@ def no_network(monkeypatch):
 
     from fastpt.inputs import models
 
+    attempts = []  # the timeout of each connection tried
+
     def unreachable(*args, **kwargs):
+        attempts.append(kwargs.get("timeout", args[1] if len(args) > 1 else None))
         raise OSError("Network is unreachable")
 
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -144,16 +153,14 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", unreachable)
     forget = getattr(getattr(models, "hub_offline", None), "cache_clear", lambda: None)
     forget()  # an earlier test may have found the Hub (un)reachable
-    yield
+    yield attempts
     forget()
 
 
 @pytest.mark.parametrize("model", ["no-such-user/no-such-model", "distilbert-base-uncased"])
 def test_offline_fails_at_once_with_one_actionable_line(model, no_network, tiny_args, tmp_path, capfd):
     capfd.readouterr()
-    start = time.perf_counter()
     status = main(tiny_args("--model", model))
-    elapsed = time.perf_counter() - start
     captured = capfd.readouterr()
     if model == "distilbert-base-uncased" and status == 0:
         pytest.skip("distilbert-base-uncased is in the local Hugging Face cache")
@@ -161,7 +168,8 @@ def test_offline_fails_at_once_with_one_actionable_line(model, no_network, tiny_
     lines = (captured.out + captured.err).strip().splitlines()
     assert len(lines) == 1, lines
     assert "offline" in lines[0] and "--random-init" in lines[0] and "--model minilm" in lines[0], lines[0]
-    assert elapsed < 15, f"{elapsed:.1f} s"
+    # At once: one connection tried, with a short timeout, then offline mode (no retries, no waits)
+    assert len(no_network) == 1 and no_network[0] is not None and no_network[0] <= 2, no_network
     assert not (tmp_path / "run").exists()
 
 
