@@ -7,6 +7,7 @@ import random
 import re
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,39 @@ def python_signal_handlers(request):
             signal.signal(sig, handler)
 
 
+@pytest.fixture
+def one_thread():
+    """One thread, as the tests' subprocesses use, and the global switches a --deterministic run turns on
+    put back. A module that compares in-process runs with subprocess ones uses it for every test:
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def wait_for(condition, what: str, timeout: float, every: float = 0.25):
+    """Poll `condition()` until it returns something true, and return that; after `timeout` seconds fail
+    the test naming `what`. The one way the tests wait for another process (a SLURM job, a launcher)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+def wait_all(procs: list, timeout: float) -> list[int]:
+    """Every process's return code, all of them within one deadline (not `timeout` each)."""
+    deadline = time.monotonic() + timeout
+    return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+
+
 @pytest.fixture(scope="session")
 def imdb_dir(tmp_path_factory) -> Path:
     """A data dir holding a tiny aclImdb_v1.tar.gz (160 reviews: 112 train, 16 val, 32 test)."""
@@ -101,6 +135,16 @@ def tiny_args(imdb_dir, cache_dir, tmp_path):
         return ["--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir),
                 "--max-length", "64", "--batch-size", "8", "--epochs", "2", "--log-every", "2",
                 "--no-progress", "--out", str(out or tmp_path / "run"), *extra]
+    return args
+
+
+@pytest.fixture
+def own_args(cache_dir, tmp_path):
+    """Command-line flags for a fast run of the tiny model on your own table (`--data`), one epoch."""
+    def args(data, *extra, out=None):
+        return ["--model", "tiny", "--data", str(data), "--cache-dir", str(cache_dir), "--max-length", "24",
+                "--batch-size", "8", "--epochs", "1", "--lr", "2e-3", "--log-every", "5", "--no-progress",
+                "--no-tensorboard", "--out", str(out or tmp_path / "run"), *extra]
     return args
 
 

@@ -6,7 +6,7 @@ Two torchrun launchers on this machine act as two nodes (one process each, gloo)
   launcher with two processes: results, best.pt, last.pt, bitwise;
 - in the node-local layout, a run stopped after epoch 1 continues with `--resume auto` from
   rank 0's last.pt (node 1 has none) to the same result;
-- `torchrun --max-restarts=2` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README): SIGKILL of the
+- `torchrun --max-restarts=2` with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/multi-node.md): SIGKILL of the
   rank-0 or rank-1 worker mid-training restarts the group, which resumes from last.pt and ends
   bitwise equal to the uninterrupted run;
 - a rank that stops answering makes every rank stop after --dist-timeout with one line, not wait.
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import fastpt_frames
+from conftest import fastpt_frames, wait_all
 
 from fastpt.files import checkpoint
 
@@ -72,8 +72,7 @@ def launch_nodes(per_node: list[list[str]], launcher: list[str], timeout: int, *
                               text=True)
              for node, args in enumerate(per_node)]
     try:
-        deadline = time.monotonic() + timeout
-        return [(p.wait(timeout=max(1.0, deadline - time.monotonic())), p.stdout.read()) for p in procs]
+        return list(zip(wait_all(procs, timeout), (p.stdout.read() for p in procs)))
     finally:
         for p in procs:  # SIGTERM first: torchrun then stops its workers (each in a session of its own)
             if p.poll() is None:
@@ -86,7 +85,7 @@ def launch_nodes(per_node: list[list[str]], launcher: list[str], timeout: int, *
 
 
 def c10d_two_nodes(port: int):
-    """The README's command on each node: c10d rendezvous, restarts allowed, a fresh store per round."""
+    """docs/multi-node.md's command on each node: c10d rendezvous, restarts allowed, a fresh store per round."""
     return lambda node: ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                          "--rdzv-id=two-nodes", "--max-restarts=2", "--monitor-interval=0.5"]
 
@@ -129,7 +128,7 @@ def reference(imdb_dir, tmp_path_factory) -> Path:
 def test_two_nodes_with_local_disks_or_a_shared_one_match_one_node(reference, imdb_dir, tmp_path):
     """(a) each node its own --out and cache, (b) both the same; and (a) stopped after epoch 1, then resumed.
 
-    Each launcher runs the README's command (c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) with its own folders.
+    Each launcher runs docs/multi-node.md's command (c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) with its own folders.
     """
     local = [tmp_path / f"node{n}" for n in range(2)]
     shared = tmp_path / "shared"

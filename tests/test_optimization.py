@@ -45,14 +45,7 @@ CPU = DistInfo(0, 0, 1, torch.device("cpu"))
 MAX_LENGTH = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As test_reliability's runs: one thread, and the global switches a --deterministic run turns on restored."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one thread, global switches put back
 
 
 def tiny_model(kind: str) -> torch.nn.Module:
@@ -387,15 +380,6 @@ def integer_csv(path: Path, n: int, seed: int) -> Path:
         for i in range(n):
             w.writerow((" ".join(["the", "a", "box"] + [rng.choice(words[i % 2])] * 2), i % 2))
     return path
-
-
-@pytest.fixture
-def own_args(cache_dir, tmp_path):
-    def args(data, *extra, out=None):
-        return ["--model", "tiny", "--data", str(data), "--cache-dir", str(cache_dir), "--max-length", "16",
-                "--batch-size", "8", "--epochs", "1", "--no-progress", "--no-tensorboard",
-                "--out", str(out or tmp_path / "run"), *extra]
-    return args
 
 
 def test_label_names_name_integer_labels_in_results_and_export(own_args, tmp_path):

@@ -48,12 +48,9 @@ def write_csv(path, data, header=("text", "label"), delimiter=","):
 
 
 @pytest.fixture
-def own_args(cache_dir, tmp_path):
-    def args(data, *extra, out=None):
-        return ["--model", "tiny", "--data", str(data), "--cache-dir", str(cache_dir), "--max-length", "24",
-                "--batch-size", "8", "--epochs", "2", "--lr", "2e-3", "--log-every", "5", "--no-progress",
-                "--no-tensorboard", "--out", str(out or tmp_path / "run"), *extra]
-    return args
+def own_args(own_args):
+    """conftest.py's flags, with two epochs: the runs here compare what training learned."""
+    return lambda data, *extra, out=None: own_args(data, "--epochs", "2", *extra, out=out)
 
 
 def test_csv_run_metrics_checkpoint_and_export_match_a_pipeline(own_args, tmp_path):
@@ -96,7 +93,7 @@ def test_csv_run_metrics_checkpoint_and_export_match_a_pipeline(own_args, tmp_pa
     classify = pipeline("text-classification", model=str(export), device="cpu")
     theirs = [p["label"] for p in classify(texts)]
     assert theirs == ours
-    # A text longer than --max-length: the export cuts it where training did (truncation=True, as the README says)
+    # A text longer than --max-length: the export cuts it where training did (truncation=True, as docs/own-data.md says)
     assert json.loads((export / "tokenizer_config.json").read_text())["model_max_length"] == 24
     long_texts = [t + " " + " ".join(FILLER * 4) for t in texts[:8]]
     assert all(len(tokenizer(t)["input_ids"]) > 24 for t in long_texts)

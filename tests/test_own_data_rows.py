@@ -25,15 +25,6 @@ def _lines(data, open_quote_at=None):
     return [('"' if i == open_quote_at else "") + t for i, (t, _) in enumerate(data)]
 
 
-@pytest.fixture
-def own_args(cache_dir, tmp_path):
-    def args(data, *extra, out=None):
-        return ["--model", "tiny", "--data", str(data), "--cache-dir", str(cache_dir), "--max-length", "24",
-                "--batch-size", "8", "--epochs", "1", "--lr", "2e-3", "--log-every", "5", "--no-progress",
-                "--no-tensorboard", "--out", str(out or tmp_path / "run"), *extra]
-    return args
-
-
 def refused(own_args, tmp_path, capsys, data, *extra) -> str:
     """The one error line of a run that must stop with status 2 and write nothing."""
     out = tmp_path / "refused"

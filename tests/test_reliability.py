@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import fastpt_frames
+from conftest import fastpt_frames, wait_all
 
 from fastpt.cli.shell import EXIT_BAD_INPUT
 from fastpt.files import checkpoint
@@ -42,23 +42,13 @@ TIMING_KEYS = {"train_time_s", "first_step_s", "samples_per_s", "tokens_per_s", 
 STEPS_PER_EPOCH = 6  # 48 training examples, batch 8
 EPOCHS = 2
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]  # one thread, as the subprocesses
 
 
 def fault_rng() -> random.Random:
     seed = int(os.environ.get("FASTPT_FAULT_SEED", random.SystemRandom().randrange(1 << 30)))  # runs reseed `random`
     print(f"FASTPT_FAULT_SEED={seed}")
     return random.Random(seed)
-
-
-@pytest.fixture(autouse=True)
-def one_thread_deterministic():
-    """One thread (as the subprocesses use) and restore the global switches a run turns on."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
 
 
 def flags(imdb_dir, cache_dir, out: Path, *extra: str) -> list[str]:
@@ -473,7 +463,7 @@ def test_two_runs_started_at_once_into_one_folder_one_wins(imdb_dir, cache_dir, 
             "--batch-size", "8", "--train-size", "48", "--epochs", "1", "--no-progress", "--no-tensorboard",
             "--out", str(out)]
     runs = [_train_py(*args) for _ in range(2)]
-    (code_a, _, err_a), (code_b, _, err_b) = [(p.wait(timeout=240), p.stdout.read(), p.stderr.read()) for p in runs]
+    (code_a, err_a), (code_b, err_b) = zip(wait_all(runs, timeout=240), (p.stderr.read() for p in runs))
     assert sorted([code_a, code_b]) == [0, EXIT_BAD_INPUT], (err_a[-2000:], err_b[-2000:])
     loser = (err_a if code_a else err_b).strip().splitlines()
     # Refused while the winner runs, or (if the winner was quicker than the loser's start) as a finished run.

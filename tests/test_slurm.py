@@ -28,11 +28,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from fastpt.cluster import slurm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,16 +258,6 @@ def sbatch(script: str, log: Path, *options: str) -> str:
 def job_fields(job: str) -> dict[str, str]:
     shown = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True)
     return dict(field.split("=", 1) for field in shown.stdout.split() if "=" in field)
-
-
-def wait_for(condition, what: str, timeout: float):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def log_has(log: Path, text: str) -> bool:
