@@ -1,6 +1,6 @@
 """Scripts that use an extra (matplotlib, Lightning) say which install line it takes, in one line.
 
-After the README's set-up (`scripts/setup.sh`: the runtime only), `scripts/reproduce.py` and
+After the set-up alone (`scripts/setup.sh`: the runtime only), `scripts/reproduce.py` and
 `scripts/bench_single.py` still write their tables and skip the chart with one line, and
 `scripts/peers/lightning_ref.py` stops with one line and status 2 instead of a traceback.
 """

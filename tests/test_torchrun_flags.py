@@ -20,7 +20,7 @@ def _flags():
     for action in build_parser()._actions:
         if isinstance(action, argparse._HelpAction):
             continue
-        flag = action.option_strings[0]  # the name the README and --help use; aliases are for plain python
+        flag = action.option_strings[0]  # the name the docs and --help use; aliases are for plain python
         if action.nargs == 0:
             yield flag, None
         elif action.choices:
