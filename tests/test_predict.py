@@ -209,7 +209,7 @@ def test_pack_is_refused_where_training_refuses_it(trained, tmp_path, capsys):
     out = tmp_path / "o.csv"
     assert predict(["--model", str(folder), "--data", str(trained["test_csv"]), "--out", str(out), "--pack"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --pack supports distilbert, bert, roberta models, not electra; drop --pack"]
+    assert len(err) == 1 and err[0].startswith("error: --pack") and "not electra" in err[0], err
     assert not out.exists()
     assert predict(["--model", str(folder), "--data", str(trained["test_csv"]), "--out", str(out)]) == 0
 

@@ -314,8 +314,7 @@ def test_srun_tasks_without_a_strategy_are_refused(cluster, imdb_dir, cache_dir,
     done = srun(train_args(imdb_dir, cache_dir, out), kill_on_bad_exit=False)  # each task stops by itself
     assert done.returncode == 2, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if not line.startswith("srun:")]  # srun's own report
-    assert lines == ["error: srun started 2 tasks, but without --ddp, --fsdp or --deepspeed each would train "
-                     "alone; add one of them, or run one task (srun --ntasks=1)"], done.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: srun started 2 tasks") and "--ddp" in lines[0], done.stderr
     assert not (tmp_path / "runs").exists()
 
 

@@ -32,5 +32,5 @@ def test_a_full_disk_under_tensorboard_is_one_line(tiny_args, tmp_path, monkeypa
     captured = capfd.readouterr()
     assert "Traceback" not in captured.err and "Exception in thread" not in captured.err, captured.err[-3000:]
     errors = [line for line in captured.err.splitlines() if line.startswith("error")]
-    assert errors == [f"error: no space left in {out / 'tb'} for TensorBoard's event file: free some space, "
-                      "or pass --no-tensorboard"], captured.err[-3000:]
+    assert len(errors) == 1 and f"no space left in {out / 'tb'}" in errors[0], captured.err[-3000:]
+    assert "--no-tensorboard" in errors[0], errors  # the way around it
