@@ -1,4 +1,4 @@
-"""The commands the README and docs/ show still run: every flag they give `train.py` or
+"""The commands the README and docs/ show still parse: every flag they give `train.py` or
 `fastpt-predict` is one the command's parser knows, with a value among its choices.
 
 The commands are read where a reader copies them from: fenced code blocks, inline code that
