@@ -229,56 +229,34 @@ def run_config(args, name: str, timeout: float) -> dict:
 # --------------------------------------------------------------------------- reporting
 
 def padding_report(args) -> dict:
-    """Real tokens / computed tokens on the real training split, batch --batch-size, 512 tokens."""
+    """Real tokens / computed tokens over one epoch of the real training split at 512 tokens, batch
+    --batch-size, seed 123: every review padded to 512, random batches padded to their longest, --bucket;
+    and for `--pack [--pack-multiple M]` (multiple, real-token share, distinct batch shapes): what rounding
+    costs in work, and how many CUDA graphs (one per shape) `--compile-mode reduce-overhead` would record."""
     from fastpt.config import TrainConfig
-
-    default = TrainConfig.bucket_multiplier
-    report = split_padding(args.data_dir, args.cache_dir, args.model, args.batch_size, multipliers=(default,))
-    report["bucket"] = report.pop("bucket_by_multiplier")[default]
-    report["pack"] = packed_shapes(args.data_dir, args.cache_dir, args.model, args.batch_size)
-    return report
-
-
-def packed_shapes(data_dir, cache_dir, model: str, batch_size: int, multiples=(None, 64, 128, 256, 512)) -> list:
-    """(multiple, real-token share, distinct batch shapes) of `--pack [--pack-multiple M]` over one epoch
-    of the real training split at 512 tokens: what rounding costs in work, and how many CUDA graphs
-    (one per distinct shape) `--compile-mode reduce-overhead` would record."""
-    from fastpt.inputs import data, token_cache
-    from fastpt.inputs.models import load_tokenizer
-
-    splits, _ = token_cache.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
-    train = splits["train"]
-    sampler = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123)
-    sampler.set_epoch(0)
-    totals = [int(train.lengths[b].sum()) for b in sampler]
-    rows = []
-    for m in multiples:
-        rounded = totals if m is None else [-(-t // m) * m for t in totals]
-        rows.append((m, sum(totals) / sum(rounded), len(set(rounded))))
-    return rows
-
-
-def split_padding(data_dir, cache_dir, model: str, batch_size: int, multipliers) -> dict:
-    """Padding efficiency of the whole training split at 512 tokens: padded to 512, random batches
-    padded to their longest, and `--bucket` with each mega-batch multiplier (one epoch, seed 123)."""
     from fastpt.inputs import data, token_cache
     from fastpt.inputs.models import load_tokenizer
     from fastpt.speedups.bucketing import padding_efficiency
 
-    splits, _ = token_cache.prepare_splits(data_dir, cache_dir, load_tokenizer(model), 512)
+    splits, _ = token_cache.prepare_splits(args.data_dir, args.cache_dir, load_tokenizer(args.model), 512)
     train = splits["train"]
 
     def batches(**bucketing) -> list:
-        sampler = data.TrainBatchSampler(train, batch_size, 0, 1, seed=123, **bucketing)
+        sampler = data.TrainBatchSampler(train, args.batch_size, 0, 1, seed=123, **bucketing)
         sampler.set_epoch(0)
         return list(sampler)
 
     plain = batches()
-    return {"examples": len(train), "mean_tokens": float(train.lengths.mean()), "batch_size": batch_size,
+    totals = [int(train.lengths[b].sum()) for b in plain]
+    pack = []
+    for m in (None, 64, 128, 256, 512):
+        rounded = totals if m is None else [-(-t // m) * m for t in totals]
+        pack.append((m, sum(totals) / sum(rounded), len(set(rounded))))
+    bucketed = batches(bucket=True, bucket_multiplier=TrainConfig.bucket_multiplier)
+    return {"examples": len(train), "mean_tokens": float(train.lengths.mean()), "batch_size": args.batch_size,
             "pad_to_512": padding_efficiency(train.lengths, plain, pad_to=512),
             "random_batches_to_longest": padding_efficiency(train.lengths, plain),
-            "bucket_by_multiplier": {m: padding_efficiency(train.lengths, batches(bucket=True, bucket_multiplier=m))
-                                     for m in multipliers}}
+            "bucket": padding_efficiency(train.lengths, bucketed), "pack": pack}
 
 
 def _fmt(value, spec: str, missing: str = "n/a") -> str:

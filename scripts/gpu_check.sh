@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: fastpt's best, its full run and its steady-state probe, then the articles'
 # configurations by fastpt and by Lightning, on one CUDA GPU, in under 8 minutes (rows that would not
-# finish in the time left are skipped for time, most valuable first).
+# finish in the time left are skipped for time, most valuable first). Run it when a CUDA GPU is at hand;
+# `--dry` proves it on the CPU first.
 #
 #   bash scripts/gpu_check.sh --out DIR                  # any machine with one CUDA GPU and fastpt's requirements
 #   bash scripts/gpu_check.sh --stage .stage --out DIR   # the offline GPU machine, after scripts/device_stage.sh
@@ -34,7 +35,7 @@ while [[ $# -gt 0 ]]; do
     --data-dir) STAGE_ARGS+=(--data-dir "$2"); DRIVER_ARGS+=(--data-dir "$2"); shift 2 ;;
     --rows|--budget|--best-flags|--cache-dir|--runs-dir) DRIVER_ARGS+=("$1" "$2"); shift 2 ;;
     --no-compile) DRIVER_ARGS+=("$1"); shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
