@@ -400,11 +400,11 @@ def profile(args, names: list[str], out: Path, argv: list[str]) -> int:
                         f"{args.profile_steps} steps profiled after {WARMUP_STEPS} warm-up steps, train mode "
                         f"(dropout on); top {args.top} operators by self time (each row: time in that operator "
                         f"itself, not in what it calls)")
-    short = argparse.Namespace(**{**vars(args), "steps": WARMUP_STEPS + args.profile_steps})
+    window = argparse.Namespace(**{**vars(args), "steps": WARMUP_STEPS + args.profile_steps})
     failed = False
     for name in names:
         run_dir = Path(args.runs_dir) / f"profile-{name}"
-        train = train_command(short, name, run_dir)
+        train = train_command(window, name, run_dir)
         command = [sys.executable, str(Path(__file__).resolve()), "probe", "--start-after", str(WARMUP_STEPS),
                    "--profile-steps", str(args.profile_steps), "--top", str(args.top),
                    "--report", str(run_dir / "probe.json"), "--", *train[2:]]

@@ -240,14 +240,6 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
-def print_report(md: str, path) -> None:
-    """The Markdown report on the console, and in `path` too where one was given."""
-    print(md)
-    if path:
-        Path(path).write_text(md)
-        print(f"written: {path}")
-
-
 def cpu_flags() -> str:
     """The CPU's vector and matrix units as Linux names them, and what torch's CPU kernels use:
     `flags avx2 fma f16c, no avx512 / amx; torch's CPU capability AVX2` (bfloat16 emulated there)."""
