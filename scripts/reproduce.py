@@ -1,5 +1,8 @@
 """The articles' ladder of speed-ups, run with fastpt, tabulated beside the articles' own figures.
 
+Run it to reproduce the articles' table on your own hardware (GPUs: --preset article), or on a CPU
+to see the ladder's ratios there (--preset cpu).
+
     python scripts/reproduce.py --preset cpu              # MiniLM on a subset of IMDB, ~25 min on 2 cores
     python scripts/reproduce.py --preset article --nproc 4  # full size, on GPUs
     python scripts/reproduce.py --preset smoke --data-dir DIR  # tiny model, a minute (tests)
@@ -235,14 +238,6 @@ def machine() -> str:
         pass
     return (f"{cpu}, {cpu_count()} cores ({cpu_flags()}); {gpus}; {platform.system()} {platform.release()}; "
             f"torch {torch.__version__}")
-
-
-def print_report(md: str, path) -> None:
-    """The Markdown report on the console, and in `path` too where one was given."""
-    print(md)
-    if path:
-        Path(path).write_text(md)
-        print(f"written: {path}")
 
 
 def cpu_flags() -> str:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv if needed (runtime, then what the tests need), then run the test suite on the CPU, offline.
+# Run it after a change: set up .venv if needed (runtime, then what the tests need), then run the test
+# suite on the CPU, offline (arguments go to pytest: -m slow for the longer end-to-end tests).
 # Uses the real IMDB data for the opt-in checks when ../shared/data (or FASTPT_DATA_DIR) has it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

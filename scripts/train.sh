@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then run train.py with the given flags (none: the article's baseline).
+# The first command a newcomer runs: set up .venv if needed, then run train.py with the given flags
+# (none: the article's baseline).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -287,7 +287,7 @@ def test_deepspeed_is_quiet_on_every_rank_without_verbose(imdb_dir, cache_dir, t
 
 @pytest.mark.parametrize("under_torchrun", [True, False])
 def test_a_torchrun_worker_leaves_without_the_interpreters_teardown(under_torchrun, tmp_path):
-    # A gloo group that outlives destroy_process_group can abort the teardown (scripts/gloo_exit_race.py):
+    # A gloo group that outlives destroy_process_group can abort the teardown (docs/results-notes.md):
     # a torchrun worker skips it (no atexit handler runs) with train.py's status; any other process exits normally.
     script = tmp_path / "exit.py"
     script.write_text(

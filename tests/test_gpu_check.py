@@ -1,4 +1,4 @@
-"""The prepared GPU check (scripts/device_stage.sh, gpu_check.sh, gpu_check.py) on the CPU.
+"""The prepared GPU check (scripts/device_stage.sh, gpu_check.sh, the gpu_check package) on the CPU.
 
 A GPU is lent only now and then, so the check must work the first time it meets one: its dry
 run stages everything as for the offline GPU machine and runs the same script end to end.
@@ -10,9 +10,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 import zipfile
 from argparse import Namespace
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import gpu_check  # noqa: E402
-from gpu_check import DRY, GPU, START_MARGIN, Budget, Row  # noqa: E402
+from gpu_check import plan, report, stage  # noqa: E402
+from gpu_check.plan import DRY, GPU, START_MARGIN, Budget, Row  # noqa: E402
 
 
 def make_wheel(folder: Path, name: str, version: str, requires=(), tag: str = "py3-none-any") -> Path:
@@ -39,8 +39,8 @@ def test_staged_wheel_requirements_are_checked_against_the_gpu_machine(tmp_path)
     make_wheel(tmp_path, "alpha", "1.0", ["beta>=2", "numpy>=99", "nosuchpkg", "pyarrow>=24",
                                           'winonly; sys_platform == "win32"', 'extra-dep; extra == "docs"'])
     make_wheel(tmp_path, "beta", "2.1")
-    problems, unverified = gpu_check.check_requirements(tmp_path, gpu_check.gpu_machine_version,
-                                                        gpu_check.GPU_MACHINE_MARKERS)
+    problems, unverified = stage.check_requirements(tmp_path, stage.gpu_machine_version,
+                                                        stage.GPU_MACHINE_MARKERS)
     assert problems == ["alpha needs numpy>=99, found numpy 2.5.2",
                         "alpha needs nosuchpkg: neither staged nor installed"]
     assert unverified == ["alpha needs pyarrow>=24"]  # on the machine, version not known here
@@ -49,15 +49,15 @@ def test_staged_wheel_requirements_are_checked_against_the_gpu_machine(tmp_path)
 def test_only_wheels_this_python_can_install_are_installed(tmp_path):
     pure = make_wheel(tmp_path, "alpha", "1.0")
     other = make_wheel(tmp_path, "beta", "1.0", tag="cp27-cp27m-win32")
-    assert gpu_check.installable_wheels(tmp_path) == ([pure], [other])
+    assert stage.installable_wheels(tmp_path) == ([pure], [other])
 
 
 def test_staged_tokenizer_loads_offline_as_distilbert_base_uncased(tmp_path):
     from transformers import AutoTokenizer
 
-    gpu_check.stage_tokenizer(tmp_path / "hub")
+    stage.stage_tokenizer(tmp_path / "hub")
     tokenizer = AutoTokenizer.from_pretrained("distilbert-base-uncased", cache_dir=tmp_path / "hub")
-    text, ids = gpu_check.TOKENIZER_PROBE
+    text, ids = stage.TOKENIZER_PROBE
     assert tokenizer(text)["input_ids"] == ids
     assert tokenizer.model_max_length == 512
 
@@ -66,30 +66,30 @@ def test_best_row_flags_are_train_py_flags():
     from fastpt.cli.args import build_parser, parse_args
 
     known = build_parser()._option_string_actions
-    assert all(f in known for f in gpu_check.BEST_FLAGS if f.startswith("--"))
-    parse_args(gpu_check.BEST_FLAGS)  # and valid together
+    assert all(f in known for f in plan.BEST_FLAGS if f.startswith("--"))
+    parse_args(plan.BEST_FLAGS)  # and valid together
     for mode in (GPU, DRY):  # at each mode's --max-length, which bounds --pack-multiple
-        best = gpu_check.plan_rows(Namespace(rows="best", no_compile=False, dry=mode is DRY), gpu_check.BEST_FLAGS)
+        best = plan.plan_rows(Namespace(rows="best", no_compile=False, dry=mode is DRY), plan.BEST_FLAGS)
         parse_args(["--max-length", str(mode.max_length), *best[0].flags])
-    flags, note = gpu_check.choose_best_flags(Namespace(best_flags=None))
-    assert flags == gpu_check.BEST_FLAGS and "BEST_FLAGS" in note
-    assert gpu_check.choose_best_flags(Namespace(best_flags="--amp --pack"))[0] == ["--amp", "--pack"]
+    flags, note = plan.choose_best_flags(Namespace(best_flags=None))
+    assert flags == plan.BEST_FLAGS and "BEST_FLAGS" in note
+    assert plan.choose_best_flags(Namespace(best_flags="--amp --pack"))[0] == ["--amp", "--pack"]
 
 
 def test_rows_run_by_value_and_pair_each_article_configuration_with_lightning():
     args = Namespace(rows=None, no_compile=False, dry=False)
-    rows = gpu_check.plan_rows(args, ["--amp", "--compile", "--compile-mode", "reduce-overhead"])
+    rows = plan.plan_rows(args, ["--amp", "--compile", "--compile-mode", "reduce-overhead"])
     names = [r.name for r in rows]
     # fastpt's headline first (the full run and the probe reuse the best row's warm cache), then the pairs
     assert names == ["best", "best-full-run", "best-probe", "fp32", "fp32-lightning", "fp16", "fp16-lightning",
                      "fp16-compile", "fp16-compile-lightning", "deepspeed"]
     assert [r.pair for r in rows[4:9:2]] == ["fp32", "fp16", "fp16-compile"]
     assert (rows[5].flags, rows[6].flags) == (["--amp"], ["--precision", "16"])
-    dry = gpu_check.plan_rows(Namespace(rows="fp16,fp16-lightning", no_compile=False, dry=True), [])
+    dry = plan.plan_rows(Namespace(rows="fp16,fp16-lightning", no_compile=False, dry=True), [])
     # bf16 on both sides, as Lightning does on a CPU
     assert [r.flags for r in dry] == [["--amp", "--amp-dtype", "bfloat16"], ["--precision", "bf16"]]
     args = Namespace(rows="best,best-probe", no_compile=True, dry=True)
-    assert [(r.name, r.flags) for r in gpu_check.plan_rows(args, ["--amp", "--compile", "--compile-mode", "default"])] \
+    assert [(r.name, r.flags) for r in plan.plan_rows(args, ["--amp", "--compile", "--compile-mode", "default"])] \
         == [("best", ["--amp"]), ("best-probe", ["--amp"])]
 
 
@@ -99,7 +99,7 @@ def test_a_row_starts_only_where_its_estimate_with_the_margin_fits():
     for left, expected in ((START_MARGIN * prior - 1, None), (START_MARGIN * prior + 1, START_MARGIN * prior + 1)):
         row = Row("fp32", "fastpt", [])
         budget = Budget(0.0, budget_s=left + 15, reserve_s=15, clock=lambda: 0.0)
-        gpu_check.run_rows([row], DRY, budget, lambda r, timeout: started.append((r.name, timeout)))
+        plan.run_rows([row], DRY, budget, lambda r, timeout: started.append((r.name, timeout)))
         if expected is None:
             assert row.status == (f"skipped for time: needs ~{prior:.0f} s (x1.5: {1.5 * prior:.0f} s), "
                                   f"{left:.0f} s left")
@@ -131,41 +131,38 @@ def test_estimates_come_from_the_rows_before():
     assert Budget.estimate(full, [old], DRY) == pytest.approx(expected - 4 + 96 / 36)
 
 
-def test_results_time_validation_without_its_compilation(tiny_args, tmp_path, monkeypatch):
-    """val_time_no_compile_s leaves out the host time of the evaluation calls that compiled a graph."""
-    import torch._dynamo.utils as dynamo_utils
+def test_validation_time_leaves_out_only_the_calls_that_compiled(monkeypatch):
+    """The full run's estimate reads val_time_no_compile_s (val_time_s less each validation's `compile_s`): the
+    host time of exactly the evaluation calls that compiled a graph. A real Dynamo compile, on a clock that
+    gives each call one second."""
+    import torch
 
-    from fastpt.loop import build
-    from train import main
+    from fastpt.loop import evaluation
+    from fastpt.monitoring import metrics
 
-    make_eval_sums, calls = build.make_eval_sums, []
-    monkeypatch.setitem(dynamo_utils.counters["stats"], "unique_graphs",
-                        dynamo_utils.counters["stats"]["unique_graphs"])  # restored after the test
+    now = [0.0]
+    clock = SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(evaluation, "time", clock)
+    monkeypatch.setattr(metrics, "time", clock)
+    model = torch.nn.Linear(4, 2)
 
-    def compiling_once(strategy, max_length, **options):
-        eval_sums = make_eval_sums(strategy, max_length, **options)
+    def sums_of(model, batch):  # evaluation's layout: loss, correct, weight, loss weight, a 2 x 2 confusion
+        logits = model(batch["x"])
+        return torch.cat([logits.sum().reshape(1), torch.zeros(7)]).double(), logits, logits.argmax(-1)
 
-        def first_call_compiles(model, batch):
-            start = time.perf_counter()
-            # Every call takes 0.3 s at least, so that counting one call too many shows beyond the
-            # machine's noise; the first also stands for compiling the graph: 1 s more and a new graph.
-            time.sleep(0.3)
-            if not calls:
-                time.sleep(1.0)
-                dynamo_utils.counters["stats"]["unique_graphs"] += 1
-            sums = eval_sums(model, batch)
-            calls.append(time.perf_counter() - start)
-            return sums
-        return first_call_compiles
+    compiled = torch.compile(sums_of, backend="eager", fullgraph=True)
 
-    monkeypatch.setattr(build, "make_eval_sums", compiling_once)
-    assert main(tiny_args("--epochs", "2", "--train-size", "16", "--eval-batch-size", "8", out=tmp_path / "run")) == 0
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["epochs_run"] == 2 and len(calls) == 2 * 2 + 4  # two validations of 2 batches, test of 4
-    compiling = results["val_time_s"] - results["val_time_no_compile_s"]
-    # The first call as the wrapper timed it (1.3 s and its batch), not a second one (0.3 s more).
-    assert calls[0] <= compiling < calls[0] + 0.25
-    assert results["val_time_no_compile_s"] >= 3 * 0.3  # the other three validation calls
+    def eval_sums(model, batch):
+        now[0] += 1.0
+        return compiled(model, batch)
+
+    strategy = SimpleNamespace(model=model, train=model.train, to_device=lambda batch: batch, device=torch.device("cpu"))
+    batches = [{"x": torch.randn(3, 4)} for _ in range(3)]
+    compile_clock = metrics.CompileClock()
+    first, second = (evaluation.evaluate(strategy, batches, eval_sums, compile_clock=compile_clock) for _ in range(2))
+    assert compile_clock.graphs == 1
+    assert (first["time_s"], first["compile_s"]) == (3.0, 1.0)  # three calls, the first compiled
+    assert (second["time_s"], second["compile_s"]) == (3.0, 0.0)  # the graph is reused: nothing compiled
 
 
 # --------------------------------------------------------------------------- the planner, simulated
@@ -216,8 +213,8 @@ def simulate(cost: CostModel) -> tuple[list[Row], list[dict], Budget]:
         now[0] += row.wall_s
         row.status, row.result = ("ok", result) if wall <= timeout else ("failed: timed out", {})
 
-    rows = gpu_check.plan_rows(Namespace(rows=None, no_compile=False, dry=False), list(gpu_check.BEST_FLAGS))
-    gpu_check.run_rows(rows, GPU, budget, launch)
+    rows = plan.plan_rows(Namespace(rows=None, no_compile=False, dry=False), list(plan.BEST_FLAGS))
+    plan.run_rows(rows, GPU, budget, launch)
     return rows, started, budget
 
 
@@ -225,8 +222,8 @@ def simulate(cost: CostModel) -> tuple[list[Row], list[dict], Budget]:
 @pytest.mark.parametrize("compile_s", [30, 60, 120])
 def test_planner_measures_the_best_row_and_its_full_run_whenever_they_fit(compile_s, warm_share):
     cost = CostModel(compile_s, warm_share)
-    headline = [cost.run(Row("best", "fastpt", gpu_check.BEST_FLAGS))[0],
-                cost.run(Row("best-full-run", "fastpt", gpu_check.BEST_FLAGS, kind="full"))[0]]
+    headline = [cost.run(Row("best", "fastpt", plan.BEST_FLAGS))[0],
+                cost.run(Row("best-full-run", "fastpt", plan.BEST_FLAGS, kind="full"))[0]]
     cost.compiled.clear()
     rows, started, budget = simulate(cost)
     status = {r.name: r.status for r in rows}
@@ -255,7 +252,7 @@ def test_mfu_counts_real_tokens_under_either_results_format():
                 result={"samples_per_s": 10.0, "mfu": 0.4, "padding_efficiency": 0.5}),
             Row("fp32-lightning", "lightning", [], pair="fp32", status="ok",
                 result={"samples_per_s": 8.0, "real_tokens_per_s": 100.0, "mfu": 0.3})]
-    ours, theirs = (gpu_check.figures(r, rows, DRY) for r in rows)
+    ours, theirs = (report.figures(r, rows, DRY) for r in rows)
     assert ours["mfu_real"] == pytest.approx(0.2)  # counted over padded tokens: scaled to the real ones
     assert theirs["mfu_real"] == pytest.approx(0.3)  # real_tokens_per_s present: mfu already counts real tokens
     assert theirs["fastpt_over_lightning"] == pytest.approx(1.25)
@@ -278,11 +275,11 @@ def test_dry_run_stages_and_runs_the_gpu_check_end_to_end(imdb_dir, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu_check.json", "gpu_check.log", "gpu_check.md", "gpu_check.png", "profile.txt"]  # flat, under 8 files
     assert (stage / "data" / "aclImdb_v1.tar.gz").is_file()
-    report = json.loads((out / "gpu_check.json").read_text())
-    rows = {r["name"]: r for r in report["rows"]}
+    written = json.loads((out / "gpu_check.json").read_text())
+    rows = {r["name"]: r for r in written["rows"]}
     assert {name: r["status"] for name, r in rows.items()} == dict.fromkeys(rows, "ok")
-    assert report["setup"]["tokenizer"].startswith("ok")  # the staged cache, offline, gave the BERT ids
-    wheels = report["setup"].get("staged_wheels")
+    assert written["setup"]["tokenizer"].startswith("ok")  # the staged cache, offline, gave the BERT ids
+    wheels = written["setup"].get("staged_wheels")
     assert wheels is None or "requirements all met" in wheels
     assert rows["fp32-lightning"]["figures"]["samples_per_s"] > 0
     probe = rows["best-probe"]["probe"]

@@ -133,62 +133,6 @@ def test_compare_peers_smoke_same_inputs_same_fp32_result(imdb_dir, cache_dir, t
     assert results["bare"]["global_steps"] == results["fastpt"]["global_steps"]
 
 
-# --------------------------------------------------------------------------- bucket_accuracy.py
-
-import bucket_accuracy  # noqa: E402
-
-
-def _fake_grid(accs: dict) -> list:
-    """(seed, key, Run) with made-up results: accs maps (seed, key) -> test accuracy in %."""
-    grid = []
-    for (seed, key), acc in accs.items():
-        results = {"test_acc": acc / 100, "best_val_acc": 0.8, "padding_efficiency": 0.9 if key == "plain" else 0.99,
-                   "train_time_s": 600.0, "history": [{"val_acc": 0.7}, {"val_acc": 0.8}]}
-        grid.append((seed, key, reproduce.Run(reproduce.Rung(key, key, ()), [], Path("."), 1, "done", results)))
-    return grid
-
-
-def test_bucket_accuracy_report_pairs_each_seed_with_its_own_plain_run():
-    grid = _fake_grid({(1, "plain"): 80.0, (1, "bucket-m50"): 79.0, (2, "plain"): 82.0, (2, "bucket-m50"): 84.0})
-    md = bucket_accuracy.report(grid, [50], "smoke", [])
-    assert _row(md, "1") == ["1", "80.00", "79.00"] and _row(md, "2") == ["2", "82.00", "84.00"]
-    assert _row(md, "mean ± sd") == ["mean ± sd", "81.00 ± 1.41", "81.50 ± 3.54"]
-    bucket = _row(md, "`--bucket --bucket-multiplier 50`")
-    # differences -1 and +2: mean 0.5, sd 2.12
-    assert bucket[1:5] == ["2", "81.50 ± 3.54", "0.50 ± 2.12 (-1.00, +2.00)", "80.00 ± 0.00"]
-    assert bucket[5] == "0.990 ± 0.000"
-    # A missing run leaves its seed out of the difference instead of pairing it with another seed.
-    del grid[3]
-    md = bucket_accuracy.report(grid, [50], "smoke", [])
-    assert _row(md, "2")[2] == "failed / not run"
-    assert _row(md, "`--bucket --bucket-multiplier 50`")[3] == "-1.00 (-1.00)"
-
-
-@pytest.mark.slow
-def test_bucket_accuracy_smoke_trains_both_batchings_on_the_same_seed(imdb_dir, cache_dir, tmp_path):
-    report = tmp_path / "bucket.md"
-    cmd = [sys.executable, "scripts/bucket_accuracy.py", "--preset", "smoke", "--seeds", "5", "--multipliers", "4",
-           "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--runs-dir", str(tmp_path / "runs"),
-           "--report", str(report)]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    plain = json.loads((tmp_path / "runs" / "plain" / "seed5" / "results.json").read_text())
-    bucket = json.loads((tmp_path / "runs" / "bucket-m4" / "seed5" / "results.json").read_text())
-    plain_cfg, bucket_cfg = (json.loads((tmp_path / "runs" / key / "seed5" / "config.json").read_text())
-                             for key in ("plain", "bucket-m4"))
-    assert plain_cfg["seed"] == bucket_cfg["seed"] == 5
-    assert not plain_cfg["bucket"] and bucket_cfg["bucket"] and bucket_cfg["bucket_multiplier"] == 4
-    assert bucket["padding_efficiency"] >= plain["padding_efficiency"]
-    md = report.read_text()
-    assert _row(md, "5")[1:] == [f"{100 * plain['test_acc']:.2f}", f"{100 * bucket['test_acc']:.2f}"]
-    assert f"({100 * (bucket['test_acc'] - plain['test_acc']):+.2f})" in md
-    padding = {cells[0]: float(cells[1]) for cells in (_row(md, label) for label in (
-        "random batches, padded to 512", "random batches, padded to their longest",
-        "`--bucket --bucket-multiplier 4`"))}
-    assert padding["random batches, padded to 512"] < padding["random batches, padded to their longest"] \
-        < padding["`--bucket --bucket-multiplier 4`"] <= 1
-
-
 def test_compare_peers_runs_a_peer_once_for_configurations_that_differ_only_in_fastpts_flags(tmp_path):
     import compare_peers
 

@@ -1,5 +1,7 @@
 """Hugging Face accelerate's `Accelerator` on fastpt's exact inputs: the accelerate side of the comparison.
 
+scripts/compare_peers.py starts it; run it by hand only to look at this side alone.
+
     python scripts/peers/accelerate_ref.py --model minilm --precision bf16 --out runs/peers/accelerate
     accelerate launch --num_processes 2 scripts/peers/accelerate_ref.py ... --out runs/peers/accelerate-ddp
 

@@ -1,5 +1,7 @@
 """The floor: a bare PyTorch training loop on the same inputs, to measure each framework's per-step overhead.
 
+scripts/compare_peers.py starts it; run it by hand only to look at this side alone.
+
     python scripts/peers/bare_loop.py --model tiny --precision bf16 --out runs/peers/bare
 
 No validation, no checkpoints, no logging: only what every training step must do. One

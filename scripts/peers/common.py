@@ -1,4 +1,5 @@
-"""What the peer references share with fastpt: the inputs, the timing window, the results file.
+"""What the peer references share with fastpt: the inputs, the timing window, the results file (imported by
+the three peers; nothing to run).
 
 The peers (`lightning_ref.py`, `accelerate_ref.py`, `bare_loop.py`) must differ from fastpt
 in the training framework only. So everything that is not the training loop comes from

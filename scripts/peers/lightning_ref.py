@@ -1,5 +1,7 @@
 """The articles' LightningModule + Trainer, on fastpt's exact inputs: the Lightning side of the comparison.
 
+scripts/compare_peers.py and the GPU check start it; run it by hand only to look at this side alone.
+
     python scripts/peers/lightning_ref.py --model minilm --precision bf16 --out runs/peers/lightning
     torchrun --nproc_per_node=2 scripts/peers/lightning_ref.py ... --out runs/peers/lightning-ddp
 
