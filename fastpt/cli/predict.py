@@ -55,6 +55,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--pack-tokens", type=int, help="with --pack: tokens per stream (default: --batch-size x the "
                                                    "texts' mean length; a longer text goes alone)")
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if there is a GPU), cpu, cuda")
+    p.add_argument("--verbose", action="store_true", help="show the libraries' own reports and progress bars "
+                                                          "(transformers' weight loading)")
     return p
 
 
@@ -68,6 +70,10 @@ def check_paths(args) -> None:
         raise ValueError("--pack-tokens needs --pack and a positive number of tokens")
     if not data.is_file():
         raise DataError(f"--data {data}: no such file")
+    if out.is_dir():  # --overwrite replaces a file, never a folder
+        raise ValueError(f"--out {out} is a folder; name the predictions' file (.csv or .jsonl)")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: no folder {out.parent}; create it first")
     if out.exists() and data.resolve() == out.resolve():
         raise ValueError(f"--out {out} is the --data file; write the predictions elsewhere")
     if out.exists() and not args.overwrite:
@@ -103,8 +109,8 @@ def load_trained(folder: Path, which: str | None):
     if (folder / "config.json").is_file():  # an export
         from transformers import AutoModelForSequenceClassification
 
-        from fastpt.inputs.models import check_weight_files
-        check_weight_files(folder)
+        from fastpt.inputs.models import check_model_folder
+        check_model_folder(folder)  # the weights transformers will load: tensors only, the config's shapes
         tokenizer = load_tokenizer(str(folder))
         try:
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation="sdpa")
@@ -211,6 +217,8 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_paths(args)
+        from fastpt.cli.shell import quiet_libraries
+        quiet_libraries(args.verbose)
         from fastpt.cluster import distributed
         dist = distributed.init(args.device)
         run(args, dist)

@@ -26,6 +26,7 @@ import numpy as np
 from fastpt.inputs.tables import Table, accepted_names, show_column
 from fastpt.errors import DataError
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")  # a label that reads as a number is one
 
 
@@ -73,11 +74,17 @@ def _places(table: Table, rows: list) -> str:
 
 
 def check_texts(table: Table, column: str) -> None:
-    """Every text a non-empty string; else how many are not, and the first few places."""
+    """Every text a non-empty string of characters; else how many are not, and the first few places."""
     bad = [i for i, v in enumerate(table.columns[column]) if not isinstance(v, str) or not v.strip()]
     if bad:
         raise DataError(f"{table.where}: {len(bad)} empty or non-string value{'' if len(bad) == 1 else 's'} "
                         f"in column {show_column(column)} ({_places(table, bad)})")
+    # JSON may escape half of a UTF-16 pair ("\ud800"): valid JSON, but no character, which no tokenizer takes
+    broken = [i for i, v in enumerate(table.columns[column]) if _SURROGATE.search(v)]
+    if broken:
+        raise DataError(f"{table.where}: {len(broken)} text{'' if len(broken) == 1 else 's'} in column "
+                        f"{show_column(column)} hold{'s' if len(broken) == 1 else ''} a lone surrogate (an escape such as \\ud800 that is half of "
+                        f"a character) ({_places(table, broken)}); fix the escapes or leave those rows out")
 
 
 def read_label(value):

@@ -1,0 +1,168 @@
+"""What a hostile user and a new user broke: crafted model folders, odd texts, many labels, renamed labels,
+tiny class weights, a results.json cut short, a closed terminal, counts checked late, the set-up, the messages.
+
+Each bad input is one line `error: ...` and status 2 with nothing written; each wrong result is compared
+with what it should have been.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastpt.cli.predict import main as predict
+from test_own_data import rows, write_csv
+from train import main as train
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _RunsCode:
+    """Unpickling this creates a file: proof that code from a model folder ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _one_error(capsys_or_capfd) -> str:
+    err = capsys_or_capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """A tiny DistilBERT export (3 labels) with its tokenizer, and a labelled CSV it can read."""
+    from transformers import AutoModelForSequenceClassification
+
+    from fastpt.inputs.models import label_config, load_tokenizer, tiny_config
+
+    root = tmp_path_factory.mktemp("faults")
+    config = tiny_config()
+    for key, value in label_config(["bad", "good", "meh"]).items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    folder = root / "export"
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    load_tokenizer("tiny").save_pretrained(folder)
+    return {"root": root, "folder": folder, "csv": write_csv(root / "texts.csv", rows(60, seed=4))}
+
+
+def _copy_export(export, tmp_path, name="model") -> Path:
+    folder = tmp_path / name
+    shutil.copytree(export["folder"], folder)
+    return folder
+
+
+def _predict(folder, data, out, *extra):
+    return predict(["--model", str(folder), "--data", str(data), "--out", str(out), *extra])
+
+
+def _train_on(folder, data, tmp_path, cache_dir, *extra):
+    return train(["--model", str(folder), "--data", str(data), "--cache-dir", str(cache_dir), "--max-length", "24",
+                  "--batch-size", "4", "--epochs", "1", "--no-progress", "--no-tensorboard", "--out",
+                  str(tmp_path / "run"), *extra])
+
+
+# ---------------------------------------------------------------------------- crafted model folders
+
+def test_a_crafted_bin_beside_a_safetensors_of_another_name_is_refused_in_one_line(export, tmp_path, capsys,
+                                                                                    cache_dir):
+    """transformers loads pytorch_model.bin unless model.safetensors (or its index) is there: an
+    `other.safetensors` beside it changes nothing, so the .bin is what fastpt checks (and refuses)."""
+    folder = _copy_export(export, tmp_path)
+    (folder / "model.safetensors").rename(folder / "other.safetensors")
+    marker = tmp_path / "pickle-ran"
+    torch.save({"weight": _RunsCode(marker)}, folder / "pytorch_model.bin")
+    out = tmp_path / "p.csv"
+    assert _predict(folder, export["csv"], out) == 2
+    assert "pytorch_model.bin holds objects other than tensors" in _one_error(capsys)
+    assert _train_on(folder, export["csv"], tmp_path, cache_dir) == 2
+    assert "pytorch_model.bin holds objects other than tensors" in _one_error(capsys)
+    assert not marker.exists() and not out.exists() and not (tmp_path / "run").exists()
+
+
+def test_a_bin_that_transformers_never_reads_is_left_alone(export, tmp_path, capsys):
+    """model.safetensors is what transformers loads: a pytorch_model.bin beside it is never unpickled."""
+    folder = _copy_export(export, tmp_path)
+    marker = tmp_path / "pickle-ran"
+    torch.save({"weight": _RunsCode(marker)}, folder / "pytorch_model.bin")
+    assert _predict(folder, export["csv"], tmp_path / "p.csv") == 0
+    assert not marker.exists()
+
+
+def _with_config(folder: Path, **changes) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+@pytest.mark.parametrize("vocab_size", [10 ** 9, 40000], ids=["1e9", "40000"])
+def test_a_config_larger_than_its_weights_is_refused_before_allocating(vocab_size, export, tmp_path, capsys,
+                                                                       cache_dir):
+    """config.json's vocab_size against the word embeddings the weights hold (safetensors headers give the
+    shapes without loading): 1e9 would allocate 256 GB, 40000 fails inside transformers."""
+    folder = _with_config(_copy_export(export, tmp_path), vocab_size=vocab_size)
+    out = tmp_path / "p.csv"
+    assert _predict(folder, export["csv"], out) == 2
+    line = _one_error(capsys)
+    assert "config.json" in line and str(vocab_size) in line, line
+    assert _train_on(folder, export["csv"], tmp_path, cache_dir) == 2
+    line = _one_error(capsys)
+    assert "config.json" in line and str(vocab_size) in line, line
+    assert not out.exists() and not (tmp_path / "run").exists()
+
+
+def test_a_random_init_config_larger_than_memory_is_refused(export, tmp_path, capsys, cache_dir):
+    """--random-init reads no weights: the config's own size against this machine's memory."""
+    folder = _with_config(_copy_export(export, tmp_path), vocab_size=10 ** 12)
+    assert _train_on(folder, export["csv"], tmp_path, cache_dir, "--random-init") == 2
+    line = _one_error(capsys)
+    assert "config.json" in line and "memory" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_layer_count_the_weights_lack_is_refused(export, tmp_path, capsys):
+    folder = _with_config(_copy_export(export, tmp_path), n_layers=5)
+    assert _predict(folder, export["csv"], tmp_path / "p.csv") == 2
+    line = _one_error(capsys)
+    assert "config.json" in line and "layer" in line, line
+
+
+# ---------------------------------------------------------------------------- predict's own bad input
+
+def test_predict_out_naming_a_folder_is_one_line_even_with_overwrite(export, tmp_path, capsys):
+    out = tmp_path / "taken.csv"
+    (out / "inside").mkdir(parents=True)
+    assert _predict(export["folder"], export["csv"], out, "--overwrite") == 2
+    assert "is a folder" in _one_error(capsys)
+    assert (out / "inside").is_dir()
+
+
+def test_a_lone_surrogate_is_refused_in_one_line_by_predict_and_train(export, tmp_path, capsys, cache_dir):
+    """Valid JSON ("\\ud800"), no valid text: both commands name the row."""
+    data = tmp_path / "texts.jsonl"
+    lines = [json.dumps({"text": text, "label": label}) for text, label in rows(60)]
+    lines[3] = '{"text": "broken \\ud800 text", "label": "good"}'
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "p.csv"
+    assert _predict(export["folder"], data, out) == 2
+    predict_line = _one_error(capsys)
+    assert "line 4" in predict_line and "surrogate" in predict_line, predict_line
+    assert _train_on(export["folder"], data, tmp_path, cache_dir) == 2
+    train_line = _one_error(capsys)
+    assert "line 4" in train_line and "surrogate" in train_line, train_line
+    assert not out.exists() and not (tmp_path / "run").exists()
