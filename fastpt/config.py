@@ -263,6 +263,9 @@ class TrainConfig:
             self.class_weights = parse_class_weights(self.class_weights)
         elif isinstance(self.class_weights, (list, tuple)):
             self.class_weights = parse_class_weights(",".join(map(str, self.class_weights)))
+        if self.data is None and isinstance(self.class_weights, list) and len(self.class_weights) != 2:
+            raise ValueError(f"--class-weights gives {len(self.class_weights)} weight(s), the data has 2 classes "
+                             f"(neg, pos: IMDB's): give one each")
         if isinstance(self.label_names, str):
             names = [name.strip() for name in self.label_names.split(",")]
             if self.data is None:
@@ -316,6 +319,10 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+FLOAT32_TINY = 2.0 ** -126  # float32's smallest normal number (numpy.finfo("float32").tiny)
+FLOAT32_MAX = (2 - 2.0 ** -23) * 2.0 ** 127  # and its largest
+
+
 def parse_class_weights(text: str) -> list:
     """--class-weights as a comma list: one positive, finite number per class; ValueError naming the bad one."""
     weights = []
@@ -327,6 +334,10 @@ def parse_class_weights(text: str) -> list:
                              f"weight per class, comma-separated (e.g. 1,3.5)") from None
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"--class-weights {text!r}: every weight must be a positive number, got {item.strip()}")
+        if not FLOAT32_TINY <= weight <= FLOAT32_MAX:  # the loss weighs in float32: 1e-320 would be 0 there
+            raise ValueError(f"--class-weights {text!r}: {item.strip()} is {'0 or subnormal' if weight < 1 else 'inf'} "
+                             f"in float32, the loss's precision; give weights between {FLOAT32_TINY:.2g} and "
+                             f"{FLOAT32_MAX:.2g}")
         weights.append(weight)
     return weights
 

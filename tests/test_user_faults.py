@@ -166,3 +166,79 @@ def test_a_lone_surrogate_is_refused_in_one_line_by_predict_and_train(export, tm
     train_line = _one_error(capsys)
     assert "line 4" in train_line and "surrogate" in train_line, train_line
     assert not out.exists() and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- labels and weights checked early
+
+def _integer_csv(path: Path, n: int, classes: int = 2) -> Path:
+    words = ["broken rotten", "lovely bright", "plain grey"]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(("text", "label"))
+        for i in range(n):
+            writer.writerow((f"the box {words[i % classes]} cup", i % classes))
+    return path
+
+
+@pytest.fixture
+def never_tokenised(monkeypatch):
+    """Bad input that the header and the label column show stops before any text is tokenised."""
+    import datasets
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tokenised before refusing")
+
+    monkeypatch.setattr(datasets.Dataset, "map", refuse)
+
+
+def _own_run(data, tmp_path, *extra):
+    return train(["--model", "tiny", "--data", str(data), "--cache-dir", str(tmp_path / "cache"), "--max-length",
+                  "16", "--batch-size", "8", "--epochs", "1", "--max-steps", "1", "--no-progress",
+                  "--no-tensorboard", "--out", str(tmp_path / "run"), *extra])
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--label-names", "neg,pos,other"], "--label-names gives 3 name(s), the data has 2 labels (0, 1)"),
+    (["--class-weights", "1,2,3"], "--class-weights gives 3 weight(s), the data has 2 classes"),
+], ids=["label names", "class weights"])
+def test_a_wrong_count_is_refused_before_tokenising_and_leaves_no_cache(flags, says, tmp_path, capfd,
+                                                                        never_tokenised):
+    data = _integer_csv(tmp_path / "ints.csv", 40)
+    capfd.readouterr()
+    assert _own_run(data, tmp_path, *flags) == 2
+    assert says in _one_error(capfd)
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not any(cache.rglob("*")), sorted(cache.rglob("*"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_imdb_class_weights_are_counted_before_the_data_is_read(tiny_args, tmp_path, capfd, never_tokenised):
+    capfd.readouterr()
+    assert train(tiny_args("--class-weights", "1,2,3", "--cache-dir", str(tmp_path / "cache"))) == 2
+    assert "--class-weights gives 3 weight(s), the data has 2 classes" in _one_error(capfd)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_thousands_of_labels_are_refused_before_tokenising(tmp_path, capfd, never_tokenised):
+    """10,000 labels made evaluation's confusion matrix exhaust the memory; more than MAX_LABELS is refused."""
+    from fastpt.inputs.columns import MAX_LABELS
+
+    data = tmp_path / "many.csv"
+    labels = MAX_LABELS + 1
+    data.write_text("text,label\n" + "".join(f"text number {i},id{i % labels}\n" for i in range(10 * labels)))
+    capfd.readouterr()
+    assert _own_run(data, tmp_path) == 2
+    assert f"has {labels:,} distinct labels; a run takes at most {MAX_LABELS:,}" in _one_error(capfd)
+    assert not (tmp_path / "run").exists() and not any((tmp_path / "cache").rglob("data-*"))
+
+
+@pytest.mark.parametrize("weights,says", [("1e-320,1,1", "1e-320 is 0 or subnormal in float32"),
+                                          ("1e-40,1,1", "1e-40 is 0 or subnormal in float32"),
+                                          ("1,1e39,1", "1e39 is inf in float32")])
+def test_class_weights_are_checked_as_the_float32_loss_sees_them(weights, says, tmp_path, capfd, never_tokenised):
+    data = _integer_csv(tmp_path / "ints.csv", 60, classes=3)
+    capfd.readouterr()
+    assert _own_run(data, tmp_path, "--class-weights", weights) == 2
+    line = _one_error(capfd)
+    assert line.startswith("error: --class-weights") and says in line, line
+    assert not (tmp_path / "run").exists()

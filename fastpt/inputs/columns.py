@@ -204,6 +204,30 @@ def named_labels(from_data: list, given: list | None) -> list:
     return list(given)
 
 
+# The most labels a run takes. Evaluation counts a K x K confusion matrix on the device for every batch and
+# results.json keeps it (K^2 numbers), and TensorBoard shows three charts per label: at 1,000 labels that is
+# 8 MB a batch and about 1M numbers in the file; 10,000 labels make it 800 MB a batch and 100M numbers, which
+# exhaust the host's memory in the first validation. A column with that many distinct values is rarely a
+# class (an id, a score, a free-text field), and a classifier with a few examples per label learns little.
+MAX_LABELS = 1000
+
+
 def check_classes(n: int, train: Table) -> None:
     if n < 2:
         raise DataError(f"{train.where} has one class only: a classifier needs at least two labels")
+    if n > MAX_LABELS:
+        raise DataError(f"{train.where} has {n:,} distinct labels; a run takes at most {MAX_LABELS:,} (evaluation "
+                        f"counts a labels x labels confusion matrix): is --label-column the class?")
+
+
+def check_label_flags(cfg, names: list) -> None:
+    """--label-names and a --class-weights list against the labels the data has, as DataError: checked
+    when the labels are known and before tokenising, so that a wrong count leaves no token cache behind."""
+    try:
+        named_labels(names, cfg.label_names)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    weights = cfg.class_weights
+    if isinstance(weights, list) and len(weights) != len(names):
+        raise DataError(f"--class-weights gives {len(weights)} weight(s), the data has {len(names)} classes "
+                        f"({', '.join(names[:10])}{', ...' if len(names) > 10 else ''}): give one each")

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from fastpt.inputs import token_cache
-from fastpt.inputs.columns import check_texts, label_ids, read_labels, resolve_columns
+from fastpt.inputs.columns import check_label_flags, check_texts, label_ids, read_labels, resolve_columns
 from fastpt.inputs.tables import file_kind, read_file, read_source
 from fastpt.files import shared_cache
 from fastpt.errors import DataError, DiskFull
@@ -154,6 +154,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
 
     splits, origin, notes = gather_splits(cfg)
     ids, names = label_ids(splits)
+    check_label_flags(cfg, names)  # --label-names, --class-weights: their counts, before the long part
     length = built_length(cfg)
     if not cfg.progress:  # --no-progress: no tokenising or saving bars either
         datasets.disable_progress_bars()
