@@ -105,6 +105,9 @@ class TrainConfig:
     # Derived while loading the data (load_inputs), written to config.json and best.pt: id i is label_names[i].
     # --label-names gives them for --data's integer labels (a comma list, one name per label, in the ids' order).
     label_names: Optional[list] = None
+    # Where --label-names renamed them, the data's own labels in id order ("0", "1"): what a file labelled
+    # like the training data holds, read by fastpt-predict and by predictions.csv's check.
+    data_label_names: Optional[list] = None
     data_splits: Optional[dict] = None  # where each split came from
 
     # The article's hyperparameters.

@@ -242,3 +242,40 @@ def test_class_weights_are_checked_as_the_float32_loss_sees_them(weights, says, 
     line = _one_error(capfd)
     assert line.startswith("error: --class-weights") and says in line, line
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- --label-names end to end
+
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_label_names_keep_predictions_csv_whole_and_predict_reads_integer_labels(tmp_path, cache_dir, capsys):
+    """SST-2's way: integer labels named with --label-names. predictions.csv keeps its row and text columns
+    with no note, and fastpt-predict scores the same integer-labelled file on the run folder and on the export,
+    mapping 0 and 1 to the names as training did."""
+    train_csv = _integer_csv(tmp_path / "train.csv", 60)
+    test_rows = [(f"the box {'lovely bright' if i % 3 else 'broken rotten'} lamp {i}", int(i % 3 > 0))
+                 for i in range(14)]
+    test_csv = write_csv(tmp_path / "dev.csv", test_rows, header=("sentence", "label"))
+    run, export = tmp_path / "run", tmp_path / "export"
+    assert train(["--model", "tiny", "--data", str(train_csv), "--test-data", str(test_csv), "--text-column",
+                  "text,sentence", "--label-names", "negative,positive", "--cache-dir", str(cache_dir),
+                  "--max-length", "16", "--batch-size", "8", "--epochs", "2", "--lr", "3e-3", "--no-progress",
+                  "--no-tensorboard", "--out", str(run), "--export-dir", str(export)]) == 0
+    captured = capsys.readouterr()
+    assert "note: predictions.csv" not in captured.out + captured.err
+    written = _read_csv(run / "predictions.csv")
+    names = ["negative", "positive"]
+    assert list(written[0]) == ["row", "text", "label", "predicted", *[f"prob_{n}" for n in names]]
+    assert [(int(p["row"]), p["text"], p["label"]) for p in written] == [
+        (i, text, names[label]) for i, (text, label) in enumerate(test_rows)]
+    for source in (run, export):
+        out = tmp_path / f"from-{source.name}.csv"
+        assert predict(["--model", str(source), "--data", str(test_csv), "--out", str(out),
+                        "--text-column", "sentence"]) == 0, capsys.readouterr().err
+        assert "evaluation: accuracy" in capsys.readouterr().out
+        predicted = _read_csv(out)
+        assert [p["label"] for p in predicted] == [p["label"] for p in written]
+        assert [p["predicted"] for p in predicted] == [p["predicted"] for p in written]

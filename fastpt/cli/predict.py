@@ -118,7 +118,8 @@ def load_trained(folder: Path, which: str | None):
             raise ModelError(f"cannot load the model in {folder}: {one_line(e, limit=200)}") from None
         names = [str(model.config.id2label[i]) for i in range(model.config.num_labels)]
         limit = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", 512))
-        return model, tokenizer, names, {"max_length": limit}
+        return model, tokenizer, names, {"max_length": limit, "data_label_names": getattr(
+            model.config, "fastpt_data_label_names", None)}
     raise ModelError(f"--model {folder} is neither an export folder (config.json and weights, from --export-dir) "
                      f"nor a run folder ({MARKER}, checkpoints/best.pt)")
 
@@ -143,6 +144,8 @@ def read_texts(args, run: dict, names: list):
         return table, columns, None
     read_labels(table, table.use["label"])
     index = {name: i for i, name in enumerate(names)}
+    # A run whose --label-names named integer labels: the file may hold those integers, as training's did.
+    index.update({str(own): i for i, own in enumerate(run.get("data_label_names") or []) if str(own) not in index})
     values = [str(table.label_names[v]) if table.label_names else str(v) for v in table.columns[table.use["label"]]]
     unknown = next((i for i, v in enumerate(values) if v not in index), None)
     if unknown is not None:
