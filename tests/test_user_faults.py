@@ -279,3 +279,125 @@ def test_label_names_keep_predictions_csv_whole_and_predict_reads_integer_labels
         predicted = _read_csv(out)
         assert [p["label"] for p in predicted] == [p["label"] for p in written]
         assert [p["predicted"] for p in predicted] == [p["predicted"] for p in written]
+
+
+# ---------------------------------------------------------------------------- SIGHUP
+
+@pytest.fixture
+def hangup_handler():
+    """SIGHUP handled by a stand-in while the test runs (a run that failed to take it over must not kill the
+    test process), and put back after."""
+    before = signal.getsignal(signal.SIGHUP)
+    received = []
+    signal.signal(signal.SIGHUP, lambda signum, frame: received.append(signum))
+    yield received
+    signal.signal(signal.SIGHUP, before)
+
+
+def _hangup_at(monkeypatch, owner, name, after=True):
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        if not after:
+            os.kill(os.getpid(), signal.SIGHUP)
+        result = original(*args, **kwargs)
+        if after:
+            os.kill(os.getpid(), signal.SIGHUP)
+        return result
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+def _said(capfd) -> list[str]:
+    captured = capfd.readouterr()
+    text = captured.out + captured.err
+    assert "Traceback" not in text, text[-3000:]
+    return [line for line in text.splitlines() if line.startswith(("stopped", "error"))]
+
+
+def test_sighup_during_training_saves_last_pt_and_exits_3(tiny_args, tmp_path, monkeypatch, capfd, hangup_handler):
+    from fastpt.loop import step
+
+    _hangup_at(monkeypatch, step, "train_step")
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert train(tiny_args(out=out)) == 3
+    lines = _said(capfd)
+    assert len(lines) == 1 and lines[0].startswith("stopped: SIGHUP at step 1") and "--resume auto" in lines[0], lines
+    assert (out / "checkpoints" / "last.pt").is_file() and not (out / ".lock").exists()
+    assert not [p for p in out.rglob("*.tmp")]
+    assert hangup_handler == []  # the run's own handler took it, and put the stand-in back after
+    assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL
+
+
+def test_sighup_before_training_leaves_nothing(tiny_args, tmp_path, monkeypatch, capfd, hangup_handler):
+    import datasets
+
+    _hangup_at(monkeypatch, datasets.Dataset, "map", after=False)
+    out = tmp_path / "runs" / "new"
+    capfd.readouterr()
+    assert train(tiny_args("--cache-dir", str(tmp_path / "fresh-cache"), out=out)) == 128 + signal.SIGHUP
+    assert _said(capfd) == ["stopped: SIGHUP before training started; nothing was kept"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_started_under_nohup_keeps_running(tiny_args, tmp_path, monkeypatch, capfd):
+    from fastpt.loop import step
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does before it starts the command
+    try:
+        _hangup_at(monkeypatch, step, "train_step")
+        out = tmp_path / "run"
+        assert train(tiny_args("--epochs", "1", out=out)) == 0
+        assert (out / "results.json").is_file()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_sighup_as_the_requeue_signal_is_held_until_the_first_step(tiny_args, tmp_path, monkeypatch, capfd,
+                                                                   hangup_handler):
+    """--requeue-signal HUP: a warning, never an interruption; without SLURM the run stops at its first step."""
+    import datasets
+
+    _hangup_at(monkeypatch, datasets.Dataset, "map", after=False)
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert train(tiny_args("--requeue-signal", "HUP", "--cache-dir", str(tmp_path / "fresh-cache"), out=out)) == 3
+    lines = _said(capfd)
+    assert len(lines) == 1 and lines[0].startswith("stopped: SIGHUP at step 1"), lines
+    assert (out / "checkpoints" / "last.pt").is_file()
+
+
+@pytest.mark.slow
+def test_a_closed_terminal_stops_the_run_gracefully(imdb_dir, cache_dir, tmp_path):
+    """The real thing: the run's controlling terminal hangs up mid-training (a pseudo-terminal whose other
+    end closes, as when ssh drops). last.pt is written, the lock is gone, status 3."""
+    import fcntl
+    import pty
+    import select
+    import termios
+
+    master, slave = pty.openpty()
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "train.py"), "--model", "tiny", "--data-dir", str(imdb_dir), "--cache-dir",
+               str(cache_dir), "--max-length", "32", "--batch-size", "8", "--epochs", "30", "--log-every", "1",
+               "--no-progress", "--no-tensorboard", "--out", str(out)]
+    child = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, start_new_session=True,
+                             preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    seen = b""
+    try:
+        while b"step 3" not in seen:  # training has started: the terminal goes away now
+            ready, _, _ = select.select([master], [], [], 120)
+            assert ready, seen.decode(errors="replace")[-2000:]
+            try:
+                seen += os.read(master, 4096)
+            except OSError:
+                break
+    finally:
+        os.close(master)
+    assert child.wait(timeout=120) == 3, seen.decode(errors="replace")[-2000:]
+    assert (out / "checkpoints" / "last.pt").is_file() and not (out / ".lock").exists()
+    assert not [p for p in out.rglob("*.tmp")] and not (out / "results.json").exists()
