@@ -401,3 +401,25 @@ def test_a_closed_terminal_stops_the_run_gracefully(imdb_dir, cache_dir, tmp_pat
     assert child.wait(timeout=120) == 3, seen.decode(errors="replace")[-2000:]
     assert (out / "checkpoints" / "last.pt").is_file() and not (out / ".lock").exists()
     assert not [p for p in out.rglob("*.tmp")] and not (out / "results.json").exists()
+
+
+# ---------------------------------------------------------------------------- a results.json cut short
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("last_pt", [True, False], ids=["with last.pt", "without last.pt"])
+def test_a_results_json_cut_short_is_said_and_nothing_is_removed(last_pt, tiny_args, tmp_path, capfd):
+    out = tmp_path / "run"
+    assert train(tiny_args("--epochs", "1", "--no-tensorboard", *(["--save-every", "7"] if last_pt else []),
+                           out=out)) == 0
+    results = out / "results.json"
+    results.write_bytes(results.read_bytes()[: results.stat().st_size // 2])
+    before = _files(out)
+    capfd.readouterr()
+    assert train(tiny_args("--epochs", "1", "--no-tensorboard", "--resume", "auto",
+                           *(["--save-every", "7"] if last_pt else []), out=out)) == 2
+    line = _one_error(capfd)
+    assert "results.json" in line and "--overwrite" in line, line
+    assert _files(out) == before
