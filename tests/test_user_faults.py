@@ -423,3 +423,48 @@ def test_a_results_json_cut_short_is_said_and_nothing_is_removed(last_pt, tiny_a
     line = _one_error(capfd)
     assert "results.json" in line and "--overwrite" in line, line
     assert _files(out) == before
+
+
+# ---------------------------------------------------------------------------- what a new user read
+
+@pytest.fixture
+def sst2_files(tmp_path):
+    """SST-2's layout: `sentence` in train.tsv, `content` in dev.tsv."""
+    train_tsv = write_csv(tmp_path / "train.tsv", rows(60), header=("sentence", "label"), delimiter="\t")
+    dev_tsv = write_csv(tmp_path / "dev.tsv", rows(12, seed=1), header=("content", "label"), delimiter="\t")
+    return train_tsv, dev_tsv
+
+
+def _sst2_run(train_tsv, dev_tsv, tmp_path, *extra):
+    return train(["--model", "tiny", "--data", str(train_tsv), "--val-data", str(dev_tsv), "--cache-dir",
+                  str(tmp_path / "cache"), "--max-length", "16", "--epochs", "1", "--no-progress", "--no-tensorboard",
+                  "--out", str(tmp_path / "run"), *extra])
+
+
+def test_the_first_missing_column_error_gives_the_per_file_form(sst2_files, tmp_path, capfd):
+    capfd.readouterr()
+    assert _sst2_run(*sst2_files, tmp_path) == 2
+    line = _one_error(capfd)
+    assert line.endswith("; say which, one name per file (each uses the one it has): --text-column sentence,content")
+    assert f"{sst2_files[0]} has no column 'text' (--text-column)" in line, line
+
+
+def test_a_misspelt_column_is_not_suggested_again(sst2_files, tmp_path, capfd):
+    capfd.readouterr()
+    assert _sst2_run(*sst2_files, tmp_path, "--text-column", "sentence,contnet") == 2
+    line = _one_error(capfd)
+    advice = line.split("; ")[-1]
+    assert advice == "where files name it differently, list the names: --text-column sentence,content", line
+
+
+def test_predict_on_an_export_shows_no_loading_bar_without_verbose(export, tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh process: an earlier test may have turned it off
+    try:
+        capfd.readouterr()
+        assert _predict(export["folder"], export["csv"], tmp_path / "quiet.csv") == 0
+        assert "Loading weights" not in capfd.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()

@@ -34,8 +34,11 @@ ROLES = (("text", "--text-column", "text_column"), ("pair", "--text-pair-column"
          ("label", "--label-column", "label_column"))
 
 
-def resolve_columns(table: Table, cfg, training: bool) -> None:
-    """table.use: each role's column in this file, the one of its flag's names the file has (exactly one)."""
+def resolve_columns(table: Table, cfg, training: bool, files: tuple = ()) -> None:
+    """table.use: each role's column in this file, the one of its flag's names the file has (exactly one).
+
+    `files`: every file of the run, this one included, in split order: a missing column's message
+    suggests a name for each of them at once."""
     for role, flag, attr in ROLES:
         value = getattr(cfg, attr)
         if value is None:
@@ -45,28 +48,39 @@ def resolve_columns(table: Table, cfg, training: bool) -> None:
             raise DataError(f"{table.where} has both {' and '.join(map(show_column, found))}, which {flag} {value} "
                             f"offers for one column: list one of them only, or rename the other in this file")
         if not found:
-            raise DataError(missing_column(table, cfg, value, flag, attr, training))
+            raise DataError(missing_column(table, cfg, value, flag, attr, training, files))
         table.use[role] = found[0]
     if len(table) == 0:
         raise DataError(f"{table.where} has no rows")
 
 
-def missing_column(table: Table, cfg, value: str, flag: str, attr: str, training: bool) -> str:
-    """The message for a file without a flag's column, and how to name it (a guess where one column is free).
-
-    The training file's own name replaces the flag's; another file's is added to the list.
-    """
+def missing_column(table: Table, cfg, value: str, flag: str, attr: str, training: bool, files: tuple = ()) -> str:
+    """The message for a file without a flag's column, and how to name it: per file, the flag's name that
+    file has, else its one column no other flag claims (a guess), else NAME. A name no file has (a typo)
+    is left out. With files that differ, the per-file form: `--text-column sentence,content`."""
     names = accepted_names(value, ())
     there = ", ".join(map(show_column, table.columns)) or "none"
     wanted = (f"no column {show_column(names[0])}" if len(names) == 1
               else f"none of the columns {', '.join(map(show_column, names))}")
+    per_file = list(dict.fromkeys(_column_for(t, cfg, value, attr) for t in (files or (table,))))
+    if training and len(per_file) == 1:
+        advice = f"say which with {flag} {per_file[0]}"
+    elif training:
+        advice = f"say which, one name per file (each uses the one it has): {flag} {','.join(per_file)}"
+    else:
+        advice = f"where files name it differently, list the names: {flag} {','.join(per_file)}"
+    return f"{table.where} has {wanted} ({flag}); its columns: {there}; {advice}"
+
+
+def _column_for(table: Table, cfg, value: str, attr: str) -> str:
+    """The column a flag's `value` would use in this file: one of its names, else a guess (see missing_column)."""
+    found = [name for name in accepted_names(value, table.columns) if name in table.columns]
+    if found:
+        return found[0]
     claimed = {n for _, _, other in ROLES if other != attr and getattr(cfg, other) is not None
                for n in accepted_names(getattr(cfg, other), table.columns)}
     free = [c for c in table.columns if c not in claimed]
-    guess = free[0] if len(free) == 1 and re.fullmatch(r"[\w.-]+", free[0]) else "NAME"  # one a shell keeps
-    advice = (f"say which with {flag} {guess}" if training
-              else f"where files name it differently, list the names: {flag} {value},{guess}")
-    return f"{table.where} has {wanted} ({flag}); its columns: {there}; {advice}"
+    return free[0] if len(free) == 1 and re.fullmatch(r"[\w.-]+", free[0]) else "NAME"  # one a shell keeps
 
 
 def _places(table: Table, rows: list) -> str:

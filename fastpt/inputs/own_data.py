@@ -83,7 +83,7 @@ def gather_splits(cfg) -> tuple[dict, dict, list]:
             splits[name] = read_file(Path(path))
             origin[name] = str(path)
     for name, table in splits.items():  # whole files first: errors name their lines
-        resolve_columns(table, cfg, training=name == "train")
+        resolve_columns(table, cfg, training=name == "train", files=tuple(splits.values()))
         check_texts(table, table.use["text"])
         if cfg.text_pair_column:
             check_texts(table, table.use["pair"])
