@@ -468,3 +468,37 @@ def test_predict_on_an_export_shows_no_loading_bar_without_verbose(export, tmp_p
         assert "Loading weights" not in capfd.readouterr().err
     finally:
         (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+
+
+# ---------------------------------------------------------------------------- the set-up
+
+def test_the_setup_installs_both_commands_editable(tmp_path):
+    """scripts/setup.sh (what the README's two commands run first) gives the venv fastpt-train and
+    fastpt-predict, running the checkout's code as it changes. Offline and without torch: the runtime's
+    stamp says it is installed already, the build backend comes from the test environment."""
+    source = tmp_path / "src"
+    (source / "scripts").mkdir(parents=True)
+    for name in ("fastpt", "train.py", "pyproject.toml", "README.md", "requirements.txt", "scripts/setup.sh"):
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, source / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("FASTPT_TORCH", "PYTHONPATH")}
+    runtime = subprocess.run(["bash", "-c", 'cat requirements.txt; echo "torch==2.13.0"'], cwd=source,
+                             capture_output=True, text=True, check=True).stdout.rstrip("\n")
+    (venv / ".fastpt-installed").write_text(runtime)  # setup.sh's stamp: torch and requirements.txt are in
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    setup = subprocess.run(["bash", "scripts/setup.sh"], cwd=source, capture_output=True, text=True, timeout=300,
+                           env={**env, "FASTPT_VENV": str(venv), "PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0",
+                                "PYTHONPATH": site})
+    assert setup.returncode == 0, setup.stdout + setup.stderr
+
+    def help_of(command: str) -> str:
+        proc = subprocess.run([str(venv / "bin" / command), "--help"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    assert "--deepspeed" in help_of("fastpt-train") and "--checkpoint" in help_of("fastpt-predict")
+    predict_py = source / "fastpt" / "cli" / "predict.py"
+    predict_py.write_text(predict_py.read_text().replace("Predict labels for new texts", "Label new texts"))
+    assert "Label new texts" in help_of("fastpt-predict")  # the checkout's code, as changed
