@@ -7,7 +7,7 @@ Validation happens once, on the values given. Two steps then derive values, befo
 starts and never after: `cli/shell.py:resolve_config` fills in every "decide for me" setting
 (absolute paths, loader workers and pinned memory, fused Adam on CUDA), and
 `loop/build.py:load_inputs` records what the data says (`label_names` unless --label-names gave
-them, `data_splits`, `class_weight_values`) and checks the given names and weights against the
+them, and then the data's own as `data_label_names`; `data_splits`, `class_weight_values`) and checks the given names and weights against the
 number of classes. Both only resolve what was left open; neither changes a value that was checked. The resolved config
 is saved as `config.json` next to the results and inside every checkpoint.
 

@@ -16,8 +16,11 @@ tokens (default: --batch-size x the texts' mean length) instead of padded batche
 predictions (float rounding aside), refused where training refuses --pack (the model's type).
 
 Bad input is one line `error: ...` and status 2, with nothing written: a missing file, an unknown
-column, a folder that is neither an export nor a run folder, an existing --out without --overwrite,
---pack on a model it does not support.
+column, a text that is no valid text (a lone surrogate), a folder that is neither an export nor a run
+folder, weights that are not tensors or do not fit the folder's config.json, an existing --out without
+--overwrite, an --out that is a folder, --pack on a model it does not support. The label column may
+hold the label names, or, for a run whose --label-names named integer labels, those integers.
+transformers' own reports and progress bars show with --verbose.
 """
 
 from __future__ import annotations

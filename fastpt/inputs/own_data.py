@@ -11,9 +11,11 @@ split keeps the label proportions). config.json records the fractions, the seed 
 split came from (`data_splits`), so the same command gets the same split.
 
 Bad input stops before anything is written, with one line: a missing or repeated column (the
-line lists those there are), an empty file or split, one class only, a validation or test label
-the training set lacks, empty or non-string texts, missing labels (how many and where), a
-malformed CSV row (file and the line it starts on).
+line lists those there are), an empty file or split, one class only or more than 1,000
+(columns.MAX_LABELS), a validation or test label the training set lacks, empty or non-string texts
+or texts with a lone surrogate, missing labels (how many and where), a malformed CSV row (file and
+the line it starts on), a --label-names or --class-weights list of another length than the labels
+(before tokenising: no cache entry is left).
 
 The tokenised splits are Arrow files (`datasets.save_to_disk`) under a key made of the files'
 content, the columns, the split settings and the tokenizer, built at 512 tokens and cut to a
