@@ -1,8 +1,8 @@
-"""`python -m fastpt ...`: the same command line as `python train.py ...`.
+"""`python -m fastpt ...` and the `fastpt-train` command: the same command line as `python train.py ...`.
 
-train.py sits beside the fastpt package in the repository, and in fastpt/start/ where `pip install .`
-puts it (pyproject.toml); it is loaded from there by its path, so another train.py in the current
-folder is never picked up instead.
+train.py sits beside the fastpt package in the repository (where an editable install, `pip install -e .`,
+finds it too), and in fastpt/start/ where `pip install .` puts it (pyproject.toml); it is loaded from
+there by its path, so another train.py in the current folder is never picked up instead.
 """
 
 import importlib.util
@@ -16,10 +16,15 @@ def train_py() -> Path:
     return installed if installed.exists() else package.parent / "train.py"
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """train.py's command line, wherever the install put train.py."""
     spec = importlib.util.spec_from_file_location("train", train_py())
     train = importlib.util.module_from_spec(spec)
     sys.modules["train"] = train
     spec.loader.exec_module(train)
-    sys.argv[0] = "python -m fastpt"  # what --help shows as the program (argparse would say __main__.py)
     train.cli()
+
+
+if __name__ == "__main__":
+    sys.argv[0] = "python -m fastpt"  # what --help shows as the program (argparse would say __main__.py)
+    cli()

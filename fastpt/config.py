@@ -7,7 +7,7 @@ Validation happens once, on the values given. Two steps then derive values, befo
 starts and never after: `cli/shell.py:resolve_config` fills in every "decide for me" setting
 (absolute paths, loader workers and pinned memory, fused Adam on CUDA), and
 `loop/build.py:load_inputs` records what the data says (`label_names` unless --label-names gave
-them, `data_splits`, `class_weight_values`) and checks the given names and weights against the
+them, and then the data's own as `data_label_names`; `data_splits`, `class_weight_values`) and checks the given names and weights against the
 number of classes. Both only resolve what was left open; neither changes a value that was checked. The resolved config
 is saved as `config.json` next to the results and inside every checkpoint.
 
@@ -105,6 +105,9 @@ class TrainConfig:
     # Derived while loading the data (load_inputs), written to config.json and best.pt: id i is label_names[i].
     # --label-names gives them for --data's integer labels (a comma list, one name per label, in the ids' order).
     label_names: Optional[list] = None
+    # Where --label-names renamed them, the data's own labels in id order ("0", "1"): what a file labelled
+    # like the training data holds, read by fastpt-predict and by predictions.csv's check.
+    data_label_names: Optional[list] = None
     data_splits: Optional[dict] = None  # where each split came from
 
     # The article's hyperparameters.
@@ -263,6 +266,9 @@ class TrainConfig:
             self.class_weights = parse_class_weights(self.class_weights)
         elif isinstance(self.class_weights, (list, tuple)):
             self.class_weights = parse_class_weights(",".join(map(str, self.class_weights)))
+        if self.data is None and isinstance(self.class_weights, list) and len(self.class_weights) != 2:
+            raise ValueError(f"--class-weights gives {len(self.class_weights)} weight(s), the data has 2 classes "
+                             f"(neg, pos: IMDB's): give one each")
         if isinstance(self.label_names, str):
             names = [name.strip() for name in self.label_names.split(",")]
             if self.data is None:
@@ -316,6 +322,10 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+FLOAT32_TINY = 2.0 ** -126  # float32's smallest normal number (numpy.finfo("float32").tiny)
+FLOAT32_MAX = (2 - 2.0 ** -23) * 2.0 ** 127  # and its largest
+
+
 def parse_class_weights(text: str) -> list:
     """--class-weights as a comma list: one positive, finite number per class; ValueError naming the bad one."""
     weights = []
@@ -327,6 +337,10 @@ def parse_class_weights(text: str) -> list:
                              f"weight per class, comma-separated (e.g. 1,3.5)") from None
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"--class-weights {text!r}: every weight must be a positive number, got {item.strip()}")
+        if not FLOAT32_TINY <= weight <= FLOAT32_MAX:  # the loss weighs in float32: 1e-320 would be 0 there
+            raise ValueError(f"--class-weights {text!r}: {item.strip()} is {'0 or subnormal' if weight < 1 else 'inf'} "
+                             f"in float32, the loss's precision; give weights between {FLOAT32_TINY:.2g} and "
+                             f"{FLOAT32_MAX:.2g}")
         weights.append(weight)
     return weights
 

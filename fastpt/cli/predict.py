@@ -16,8 +16,11 @@ tokens (default: --batch-size x the texts' mean length) instead of padded batche
 predictions (float rounding aside), refused where training refuses --pack (the model's type).
 
 Bad input is one line `error: ...` and status 2, with nothing written: a missing file, an unknown
-column, a folder that is neither an export nor a run folder, an existing --out without --overwrite,
---pack on a model it does not support.
+column, a text that is no valid text (a lone surrogate), a folder that is neither an export nor a run
+folder, weights that are not tensors or do not fit the folder's config.json, an existing --out without
+--overwrite, an --out that is a folder, --pack on a model it does not support. The label column may
+hold the label names, or, for a run whose --label-names named integer labels, those integers.
+transformers' own reports and progress bars show with --verbose.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--pack-tokens", type=int, help="with --pack: tokens per stream (default: --batch-size x the "
                                                    "texts' mean length; a longer text goes alone)")
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if there is a GPU), cpu, cuda")
+    p.add_argument("--verbose", action="store_true", help="show the libraries' own reports and progress bars "
+                                                          "(transformers' weight loading)")
     return p
 
 
@@ -68,6 +73,10 @@ def check_paths(args) -> None:
         raise ValueError("--pack-tokens needs --pack and a positive number of tokens")
     if not data.is_file():
         raise DataError(f"--data {data}: no such file")
+    if out.is_dir():  # --overwrite replaces a file, never a folder
+        raise ValueError(f"--out {out} is a folder; name the predictions' file (.csv or .jsonl)")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: no folder {out.parent}; create it first")
     if out.exists() and data.resolve() == out.resolve():
         raise ValueError(f"--out {out} is the --data file; write the predictions elsewhere")
     if out.exists() and not args.overwrite:
@@ -103,8 +112,8 @@ def load_trained(folder: Path, which: str | None):
     if (folder / "config.json").is_file():  # an export
         from transformers import AutoModelForSequenceClassification
 
-        from fastpt.inputs.models import check_weight_files
-        check_weight_files(folder)
+        from fastpt.inputs.models import check_model_folder
+        check_model_folder(folder)  # the weights transformers will load: tensors only, the config's shapes
         tokenizer = load_tokenizer(str(folder))
         try:
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation="sdpa")
@@ -112,7 +121,8 @@ def load_trained(folder: Path, which: str | None):
             raise ModelError(f"cannot load the model in {folder}: {one_line(e, limit=200)}") from None
         names = [str(model.config.id2label[i]) for i in range(model.config.num_labels)]
         limit = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", 512))
-        return model, tokenizer, names, {"max_length": limit}
+        return model, tokenizer, names, {"max_length": limit, "data_label_names": getattr(
+            model.config, "fastpt_data_label_names", None)}
     raise ModelError(f"--model {folder} is neither an export folder (config.json and weights, from --export-dir) "
                      f"nor a run folder ({MARKER}, checkpoints/best.pt)")
 
@@ -137,6 +147,8 @@ def read_texts(args, run: dict, names: list):
         return table, columns, None
     read_labels(table, table.use["label"])
     index = {name: i for i, name in enumerate(names)}
+    # A run whose --label-names named integer labels: the file may hold those integers, as training's did.
+    index.update({str(own): i for i, own in enumerate(run.get("data_label_names") or []) if str(own) not in index})
     values = [str(table.label_names[v]) if table.label_names else str(v) for v in table.columns[table.use["label"]]]
     unknown = next((i for i, v in enumerate(values) if v not in index), None)
     if unknown is not None:
@@ -211,6 +223,8 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_paths(args)
+        from fastpt.cli.shell import quiet_libraries
+        quiet_libraries(args.verbose)
         from fastpt.cluster import distributed
         dist = distributed.init(args.device)
         run(args, dist)

@@ -265,7 +265,7 @@ def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     """
     from fastpt.files.checkpoint import load as load_checkpoint
 
-    finished = (out / "results.json").exists()
+    finished = finished_run(out, cfg.overwrite)
     resume_path = Path(cfg.resume) if cfg.resume not in (None, "auto") else None
     if cfg.resume == "auto" and (out / "checkpoints" / "last.pt").is_file():
         resume_path = out / "checkpoints" / "last.pt"
@@ -296,6 +296,28 @@ def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
         raise ValueError(f"--out {out} holds {what}; pass --overwrite to replace it{more}, "
                          f"or choose another folder")
     return OutPlan(out, to_clear=to_clear, data_key=_saved_config(out).get("data_key") if restart else None)
+
+
+def finished_run(out: Path, overwrite: bool) -> bool:
+    """Whether the run in `out` finished: its results.json is there, whole (written last, atomically).
+
+    One there but cut short or damaged (a copy interrupted, a full disk elsewhere) says nothing about
+    the run: ValueError, so that neither "finished" nor a restart over it is decided on it; --overwrite
+    replaces it as any file of the run."""
+    path = out / "results.json"
+    if not os.path.lexists(path):
+        return False
+    if overwrite:
+        return True
+    try:
+        results = json.loads(path.read_text()) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
+        results = None
+    if not isinstance(results, dict) or "test_acc" not in results:
+        raise ValueError(f"--out {out} holds a results.json that is not a finished run's (cut short, damaged, or not "
+                         f"a plain file); move it away to continue the run (--resume auto), or pass --overwrite to train "
+                         f"it again")
+    return True
 
 
 def removable(out: Path) -> list[str]:

@@ -12,7 +12,7 @@ order: train.py calls it, in this order,
     return shell.status
 
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
-stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT (or --requeue-signal)
+stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT/SIGHUP (or --requeue-signal)
 after writing checkpoints/last.pt, 0 if that signal then requeued the SLURM job (cluster/slurm.py);
 1 the run failed (e.g. the loss became NaN, the disk is full; earlier checkpoints are left
 untouched); 130 Ctrl-C, 143 SIGTERM before training started (what the new run wrote removed, no
@@ -253,12 +253,13 @@ class CommandLine:
     @contextlib.contextmanager
     def exit_status(self):
         """Runs the command's body; whatever stops it becomes one line on stderr and `self.status`."""
-        from fastpt.cluster.signals import interrupt_on_signals
+        from fastpt.cluster.signals import interrupt_on_signals, terminal_streams
 
         is_main = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"  # until the group exists
         stack = self.stack = contextlib.ExitStack()
         try:
-            # Until the loop installs its graceful stop, SIGTERM and SIGINT stop the command at once.
+            stack.enter_context(terminal_streams())  # a terminal that hangs up (SIGHUP) fails no write
+            # Until the loop installs its graceful stop, SIGTERM, SIGINT and SIGHUP stop the command at once.
             stack.enter_context(interrupt_on_signals())
             yield self
             if self.dist.is_main:

@@ -22,6 +22,13 @@ default action would kill the process, so from the command's start (`hold_warnin
 only remembered: one that arrives while the model loads stops the run at its first step, one after
 training is over changes nothing (a finished run is not requeued).
 
+SIGHUP (the terminal closed, an `ssh` connection dropped) is a stop request like SIGTERM: its default
+action would kill the run at once, without last.pt, leaving a half-written temporary and the lock.
+Two exceptions: a run started with SIGHUP ignored (`nohup`) keeps ignoring it, as asked, and a run
+that chose it as `--requeue-signal` treats it as that warning. A terminal that hung up takes no
+more output (each write fails), so on SIGHUP the process's output that went to a terminal goes to
+/dev/null instead: the stop completes, and its line is written wherever output still goes (a log file).
+
 Before training starts (model loading, tokenising, building) there is no step to finish:
 `interrupt_on_signals` makes SIGTERM, like SIGINT, raise `Interrupted` at once, so the command
 removes what it created and says so (cli/shell.py) instead of dying silently with its lock left.
@@ -31,6 +38,7 @@ No torch import here: the command line installs this before torch loads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -39,6 +47,78 @@ import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_S = 2.0  # the same signal again this soon: delivered twice (see top), not a second request
+
+
+def stop_signals(warning_signal: int | None = None) -> tuple:
+    """The signals that stop a run: SIGTERM, SIGINT and SIGHUP, less SIGHUP where the process ignores it
+    (started under `nohup`) or where it is the warning signal (--requeue-signal HUP)."""
+    hangup = signal.SIGHUP
+    if hangup == warning_signal or signal.getsignal(hangup) == signal.SIG_IGN:
+        return STOP_SIGNALS
+    return (*STOP_SIGNALS, hangup)
+
+
+def leave_hung_up_terminal(signum: int) -> None:
+    """After SIGHUP, standard output and error that went to a terminal go to /dev/null: a hung-up
+    terminal fails every write, which would turn the graceful stop into a crash (and Python's last
+    flush into status 120)."""
+    if signum != signal.SIGHUP:
+        return
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+
+
+class TerminalStream:
+    """sys.stdout or sys.stderr on a terminal that may hang up. The write that meets the hung-up terminal
+    (EIO) can come before the SIGHUP handler runs; it moves the output to /dev/null, as the handler does,
+    instead of failing the step that was to finish and save."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _safely(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            leave_hung_up_terminal(signal.SIGHUP)
+            with contextlib.suppress(OSError):
+                self.stream.flush()  # what the failed write left in the buffer goes to /dev/null
+            return len(args[0]) if args else None
+
+    def write(self, text: str):
+        return self._safely(self.stream.write, text)
+
+    def flush(self):
+        return self._safely(self.stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def terminal_streams():
+    """Inside the block, sys.stdout and sys.stderr that are terminals survive the terminal's hang-up
+    (TerminalStream), where SIGHUP stops the run (not under nohup)."""
+    wrapped = {}
+    if signal.SIGHUP in stop_signals():
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                if stream.isatty():
+                    wrapped[name] = TerminalStream(stream)
+                    setattr(sys, name, wrapped[name])
+    try:
+        yield
+    finally:
+        for name, stream in wrapped.items():
+            if getattr(sys, name) is stream:
+                setattr(sys, name, stream.stream)
 
 
 def _repeated(first: tuple, signum: int) -> bool:
@@ -77,11 +157,13 @@ def interrupt_on_signals():
             if _repeated(raised[0], signum):
                 return
             os._exit(128 + signum)  # second signal while cleaning up: stop now
+        leave_hung_up_terminal(signum)
         raised.append((signum, time.monotonic()))
         raise Interrupted(signum)
 
     _settled.clear()
-    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+    # --requeue-signal HUP is not known yet: hold_warning_signal, installed next, takes SIGHUP over then
+    previous = {sig: signal.signal(sig, handle) for sig in stop_signals()}
     try:
         yield
     finally:
@@ -106,7 +188,7 @@ def settle(status: int) -> None:
                 stream.flush()
         os._exit(status)
 
-    for sig in STOP_SIGNALS:
+    for sig in stop_signals():
         signal.signal(sig, leave)
 
 
@@ -143,7 +225,8 @@ class GracefulStop:
         import torch.distributed as dist
 
         _training.set()
-        signals = dict.fromkeys(STOP_SIGNALS + ((self.warning_signal,) if self.warning_signal else ()))
+        signals = dict.fromkeys(stop_signals(self.warning_signal) + ((self.warning_signal,) if self.warning_signal
+                                                                      else ()))
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         if self.warning_signal in _held:  # it came while the run was being built: stop at the first step
@@ -161,6 +244,7 @@ class GracefulStop:
             if signum == self.warning_signal or _repeated((self.signum, self._signalled_at), signum):
                 return  # the first signal delivered again, or one more warning
             os._exit(128 + signum)  # second signal: stop now
+        leave_hung_up_terminal(signum)
         self.signum, self._signalled_at = signum, time.monotonic()
 
     @property

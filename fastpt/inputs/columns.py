@@ -26,6 +26,7 @@ import numpy as np
 from fastpt.inputs.tables import Table, accepted_names, show_column
 from fastpt.errors import DataError
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")  # a label that reads as a number is one
 
 
@@ -33,8 +34,11 @@ ROLES = (("text", "--text-column", "text_column"), ("pair", "--text-pair-column"
          ("label", "--label-column", "label_column"))
 
 
-def resolve_columns(table: Table, cfg, training: bool) -> None:
-    """table.use: each role's column in this file, the one of its flag's names the file has (exactly one)."""
+def resolve_columns(table: Table, cfg, training: bool, files: tuple = ()) -> None:
+    """table.use: each role's column in this file, the one of its flag's names the file has (exactly one).
+
+    `files`: every file of the run, this one included, in split order: a missing column's message
+    suggests a name for each of them at once."""
     for role, flag, attr in ROLES:
         value = getattr(cfg, attr)
         if value is None:
@@ -44,28 +48,39 @@ def resolve_columns(table: Table, cfg, training: bool) -> None:
             raise DataError(f"{table.where} has both {' and '.join(map(show_column, found))}, which {flag} {value} "
                             f"offers for one column: list one of them only, or rename the other in this file")
         if not found:
-            raise DataError(missing_column(table, cfg, value, flag, attr, training))
+            raise DataError(missing_column(table, cfg, value, flag, attr, training, files))
         table.use[role] = found[0]
     if len(table) == 0:
         raise DataError(f"{table.where} has no rows")
 
 
-def missing_column(table: Table, cfg, value: str, flag: str, attr: str, training: bool) -> str:
-    """The message for a file without a flag's column, and how to name it (a guess where one column is free).
-
-    The training file's own name replaces the flag's; another file's is added to the list.
-    """
+def missing_column(table: Table, cfg, value: str, flag: str, attr: str, training: bool, files: tuple = ()) -> str:
+    """The message for a file without a flag's column, and how to name it: per file, the flag's name that
+    file has, else its one column no other flag claims (a guess), else NAME. A name no file has (a typo)
+    is left out. With files that differ, the per-file form: `--text-column sentence,content`."""
     names = accepted_names(value, ())
     there = ", ".join(map(show_column, table.columns)) or "none"
     wanted = (f"no column {show_column(names[0])}" if len(names) == 1
               else f"none of the columns {', '.join(map(show_column, names))}")
+    per_file = list(dict.fromkeys(_column_for(t, cfg, value, attr) for t in (files or (table,))))
+    if training and len(per_file) == 1:
+        advice = f"say which with {flag} {per_file[0]}"
+    elif training:
+        advice = f"say which, one name per file (each uses the one it has): {flag} {','.join(per_file)}"
+    else:
+        advice = f"where files name it differently, list the names: {flag} {','.join(per_file)}"
+    return f"{table.where} has {wanted} ({flag}); its columns: {there}; {advice}"
+
+
+def _column_for(table: Table, cfg, value: str, attr: str) -> str:
+    """The column a flag's `value` would use in this file: one of its names, else a guess (see missing_column)."""
+    found = [name for name in accepted_names(value, table.columns) if name in table.columns]
+    if found:
+        return found[0]
     claimed = {n for _, _, other in ROLES if other != attr and getattr(cfg, other) is not None
                for n in accepted_names(getattr(cfg, other), table.columns)}
     free = [c for c in table.columns if c not in claimed]
-    guess = free[0] if len(free) == 1 and re.fullmatch(r"[\w.-]+", free[0]) else "NAME"  # one a shell keeps
-    advice = (f"say which with {flag} {guess}" if training
-              else f"where files name it differently, list the names: {flag} {value},{guess}")
-    return f"{table.where} has {wanted} ({flag}); its columns: {there}; {advice}"
+    return free[0] if len(free) == 1 and re.fullmatch(r"[\w.-]+", free[0]) else "NAME"  # one a shell keeps
 
 
 def _places(table: Table, rows: list) -> str:
@@ -73,11 +88,17 @@ def _places(table: Table, rows: list) -> str:
 
 
 def check_texts(table: Table, column: str) -> None:
-    """Every text a non-empty string; else how many are not, and the first few places."""
+    """Every text a non-empty string of characters; else how many are not, and the first few places."""
     bad = [i for i, v in enumerate(table.columns[column]) if not isinstance(v, str) or not v.strip()]
     if bad:
         raise DataError(f"{table.where}: {len(bad)} empty or non-string value{'' if len(bad) == 1 else 's'} "
                         f"in column {show_column(column)} ({_places(table, bad)})")
+    # JSON may escape half of a UTF-16 pair ("\ud800"): valid JSON, but no character, which no tokenizer takes
+    broken = [i for i, v in enumerate(table.columns[column]) if _SURROGATE.search(v)]
+    if broken:
+        raise DataError(f"{table.where}: {len(broken)} text{'' if len(broken) == 1 else 's'} in column "
+                        f"{show_column(column)} hold{'s' if len(broken) == 1 else ''} a lone surrogate (an escape such as \\ud800 that is half of "
+                        f"a character) ({_places(table, broken)}); fix the escapes or leave those rows out")
 
 
 def read_label(value):
@@ -197,6 +218,30 @@ def named_labels(from_data: list, given: list | None) -> list:
     return list(given)
 
 
+# The most labels a run takes. Evaluation counts a K x K confusion matrix on the device for every batch and
+# results.json keeps it (K^2 numbers), and TensorBoard shows three charts per label: at 1,000 labels that is
+# 8 MB a batch and about 1M numbers in the file; 10,000 labels make it 800 MB a batch and 100M numbers, which
+# exhaust the host's memory in the first validation. A column with that many distinct values is rarely a
+# class (an id, a score, a free-text field), and a classifier with a few examples per label learns little.
+MAX_LABELS = 1000
+
+
 def check_classes(n: int, train: Table) -> None:
     if n < 2:
         raise DataError(f"{train.where} has one class only: a classifier needs at least two labels")
+    if n > MAX_LABELS:
+        raise DataError(f"{train.where} has {n:,} distinct labels; a run takes at most {MAX_LABELS:,} (evaluation "
+                        f"counts a labels x labels confusion matrix): is --label-column the class?")
+
+
+def check_label_flags(cfg, names: list) -> None:
+    """--label-names and a --class-weights list against the labels the data has, as DataError: checked
+    when the labels are known and before tokenising, so that a wrong count leaves no token cache behind."""
+    try:
+        named_labels(names, cfg.label_names)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    weights = cfg.class_weights
+    if isinstance(weights, list) and len(weights) != len(names):
+        raise DataError(f"--class-weights gives {len(weights)} weight(s), the data has {len(names)} classes "
+                        f"({', '.join(names[:10])}{', ...' if len(names) > 10 else ''}): give one each")

@@ -11,9 +11,11 @@ split keeps the label proportions). config.json records the fractions, the seed 
 split came from (`data_splits`), so the same command gets the same split.
 
 Bad input stops before anything is written, with one line: a missing or repeated column (the
-line lists those there are), an empty file or split, one class only, a validation or test label
-the training set lacks, empty or non-string texts, missing labels (how many and where), a
-malformed CSV row (file and the line it starts on).
+line lists those there are), an empty file or split, one class only or more than 1,000
+(columns.MAX_LABELS), a validation or test label the training set lacks, empty or non-string texts
+or texts with a lone surrogate, missing labels (how many and where), a malformed CSV row (file and
+the line it starts on), a --label-names or --class-weights list of another length than the labels
+(before tokenising: no cache entry is left).
 
 The tokenised splits are Arrow files (`datasets.save_to_disk`) under a key made of the files'
 content, the columns, the split settings and the tokenizer, built at 512 tokens and cut to a
@@ -35,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from fastpt.inputs import token_cache
-from fastpt.inputs.columns import check_texts, label_ids, read_labels, resolve_columns
+from fastpt.inputs.columns import check_label_flags, check_texts, label_ids, read_labels, resolve_columns
 from fastpt.inputs.tables import file_kind, read_file, read_source
 from fastpt.files import shared_cache
 from fastpt.errors import DataError, DiskFull
@@ -83,7 +85,7 @@ def gather_splits(cfg) -> tuple[dict, dict, list]:
             splits[name] = read_file(Path(path))
             origin[name] = str(path)
     for name, table in splits.items():  # whole files first: errors name their lines
-        resolve_columns(table, cfg, training=name == "train")
+        resolve_columns(table, cfg, training=name == "train", files=tuple(splits.values()))
         check_texts(table, table.use["text"])
         if cfg.text_pair_column:
             check_texts(table, table.use["pair"])
@@ -154,6 +156,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
 
     splits, origin, notes = gather_splits(cfg)
     ids, names = label_ids(splits)
+    check_label_flags(cfg, names)  # --label-names, --class-weights: their counts, before the long part
     length = built_length(cfg)
     if not cfg.progress:  # --no-progress: no tokenising or saving bars either
         datasets.disable_progress_bars()

@@ -86,8 +86,9 @@ def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
         label_names = None  # the model's config as the article's run has it
         cfg.label_names = list(IMDB_LABELS)
     else:  # --data: your own table (own_data.py)
-        splits, cache_path, label_names, cfg.data_splits = own_data.prepare_own_splits(cfg, tokenizer, **shared)
-        label_names = cfg.label_names = columns.named_labels(label_names, cfg.label_names)  # --label-names, if given
+        splits, cache_path, data_labels, cfg.data_splits = own_data.prepare_own_splits(cfg, tokenizer, **shared)
+        label_names = cfg.label_names = columns.named_labels(data_labels, cfg.label_names)  # --label-names, if given
+        cfg.data_label_names = data_labels if label_names != data_labels else None
     seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
     model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation, label_names)
     check_model_fits(cfg, model, tokenizer)
