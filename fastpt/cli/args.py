@@ -40,6 +40,20 @@ class DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
+# Removed because their own measurements showed no gain: what each said, and what to use instead.
+GONE_KERNELS = {
+    "grouped": "the grouped kernel was slower than the per-review loop on every CPU measured; use "
+               "--pack-attention loop, or leave the default",
+}
+
+
+def kernel_name(value: str) -> str:
+    """--pack-attention's value; a removed kernel is refused with what to use instead."""
+    if value in GONE_KERNELS:
+        raise argparse.ArgumentTypeError(f"{value!r} is gone: {GONE_KERNELS[value]}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = OneLineParser(
@@ -137,9 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack-multiple", type=int, default=None,
                    help="with --pack: round each batch's token count up to a multiple of N "
                         "(few shapes for CUDA graphs); at most --max-length")
-    g.add_argument("--pack-attention", default=None, choices=CHOICES["pack_attention"],
-                   help="with --pack: the attention kernel; auto (default): on a CPU the faster of loop and grouped, "
-                        "measured once per machine; on CUDA FlashAttention's varlen (fp16/bf16), else loop or mask")
+    g.add_argument("--pack-attention", default=None, type=kernel_name, choices=CHOICES["pack_attention"],
+                   help="with --pack: the attention kernel; auto (default): on a CPU the per-review loop; on CUDA "
+                        "FlashAttention's varlen (fp16/bf16), else loop (eager) or mask (compiled)")
     g.add_argument("--data-on-device", action="store_true",
                    help="keep the tokenised splits on the device and gather batches there (no workers, no copies)")
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,
