@@ -150,7 +150,6 @@ class TrainConfig:
     compile_mode: str = "default"
     compile_scope: str = "layers"
     fused_adam: Optional[bool] = None
-    cheap_dropout: bool = False  # dropout masks from 16-bit slices (speedups/dropout.py)
     tf32: bool = False
     attn_implementation: str = "sdpa"
     grad_accum: int = 1

@@ -203,7 +203,7 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
 
 def test_a_run_saved_by_an_older_fastpt_with_a_removed_kernel_resumes_on_the_loop_and_predicts(
         tiny_args, tmp_path, no_dropout):
-    """last.pt and config.json as fastpt wrote them when it had the grouped kernel:
+    """last.pt and config.json as fastpt wrote them when it had the grouped kernel and --cheap-dropout:
     the resumed run attends with the loop, equals an uninterrupted run, and fastpt-predict reads the folder."""
     from fastpt.cli.predict import main as predict
     from fastpt.files import checkpoint
@@ -233,7 +233,8 @@ def test_a_run_saved_by_an_older_fastpt_with_a_removed_kernel_resumes_on_the_loo
 
 
 def test_a_removed_flag_is_one_line_saying_what_to_use_instead(tiny_args, tmp_path, capfd):
-    cases = {("--pack", "--pack-attention", "grouped"): "'grouped' is gone: ",
+    cases = {("--cheap-dropout",): "--cheap-dropout is gone: ",
+             ("--pack", "--pack-attention", "grouped"): "'grouped' is gone: ",
              ("--pack", "--pack-attention=grouped"): "'grouped' is gone: "}
     for flags, gone in cases.items():
         assert main(tiny_args(*flags, out=tmp_path / "run")) == 2

@@ -5,7 +5,7 @@
         backends                            TF32, deterministic kernels, the compile cache (backends.py)
         tracker                             console, TensorBoard (rank 0 writes; monitoring/tracking.py)
         loaders                             global batches, each rank its share (inputs/data.py)
-        --cheap-dropout, --pack             dropout's masks, packed batches (speedups/dropout.py, packing.py)
+        --pack                              packed batches and their attention kernel (speedups/packing.py)
         strategy.setup(model)               to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer
         forward_loss, eval_sums             step.py / evaluation.py, compiled where the strategy does
         bookkeeping, record                 counters, throughput (bookkeeping.py); best epoch, early stopping (record.py)
@@ -191,9 +191,6 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     model, inputs.model = inputs.model, None  # the strategy holds it from here on
     n_params, n_matmul = count_parameters(model)
     layers, hidden = metrics.model_shape(model)
-    if cfg.cheap_dropout:  # dropout masks from 16-bit slices of random words, not bernoulli_ per element
-        from fastpt.speedups.dropout import apply_cheap_dropout
-        model = apply_cheap_dropout(model)
     if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
         from fastpt.speedups.packing import PackedClassifier
         choice = pack_attention_choice(cfg, dist.device.type)
