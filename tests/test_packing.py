@@ -236,7 +236,7 @@ def test_layer_by_layer_compile_matches_eager_with_one_graph_for_every_layer_and
     monkeypatch.setattr(torch, "compile", lambda target, **options: compile(target, **{**options, "backend": counter}))
     compiled = compile_layers(copy.deepcopy(eager), dynamic_tokens=True)
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # in place: no `_orig_mod.` anywhere
-    with torch._dynamo.config.patch(specialize_float=True):  # as a compiled run sets it (backends.py)
+    with torch._dynamo.config.patch(specialize_float=True):  # as a compiled run sets it (compile.py)
         for step in range(4):
             batch = PackedCollator(pad_id=0)(make_items(random_lengths(4, seed=step), seed=step))
             assert_same(logits_and_grads(lambda: packed_logits(compiled, batch, MAX_LENGTH), compiled),
