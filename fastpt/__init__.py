@@ -13,11 +13,12 @@ Read these, the lessons:
         bookkeeping.py     counters, device-side sums, clocks and the epoch's console line
     speedups/    one module per single-device technique, each with what / why faster / cost / Lightning flag
         amp.py             mixed precision (autocast, GradScaler)
-        compile.py         torch.compile, dynamic shapes, CUDA graphs
+        compile.py         torch.compile: its two scopes (each layer, the whole step), dynamic shapes,
+                           CUDA graphs, the compile cache
         packing.py         padding-free batches: reviews end to end, the head on each one's first token
         packed_attention.py  attention inside each review: varlen, a per-review loop, a block mask
         bucketing.py       length-grouped batches
-        backends.py        TF32, deterministic kernels, the compile cache
+        backends.py        TF32, deterministic kernels, a compiled run's settings set and undone
     strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first)
         optimizer.py       Adam or AdamW (Trainer's no-decay groups), the learning-rate schedule and warmup
         deepspeed.py       the ZeRO engine; deepspeed_config.py its JSON from the flags,

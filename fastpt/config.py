@@ -37,7 +37,7 @@ CHOICES = {
     "compile_mode": ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"),  # see compile.py
     "compile_scope": ("layers", "whole"),  # see compile.py
     "attn_implementation": ("sdpa", "eager"),
-    "pack_attention": ("auto", "loop", "grouped", "mask"),  # see packed_attention.py, attention_probe.py
+    "pack_attention": ("auto", "loop", "mask"),  # see packed_attention.py
     "strategy": ("single",) + STRATEGIES,
     "zero_stage": (1, 2, 3),
     "optimizer": ("adam", "adamw"),
@@ -141,7 +141,7 @@ class TrainConfig:
     bucket_multiplier: int = 50
     pack: bool = False
     pack_multiple: Optional[int] = None
-    pack_attention: str = "auto"  # the packed attention kernel; auto: measured on a CPU (attention_probe.py)
+    pack_attention: str = "auto"  # the packed attention kernel; auto: the device's (packed_attention_kernel)
     data_on_device: bool = False
     eval_batch_size: int = 128
 
@@ -153,7 +153,6 @@ class TrainConfig:
     compile_mode: str = "default"
     compile_scope: str = "layers"
     fused_adam: Optional[bool] = None
-    cheap_dropout: bool = False  # dropout masks from 16-bit slices (speedups/dropout.py)
     tf32: bool = False
     attn_implementation: str = "sdpa"
     grad_accum: int = 1

@@ -1,4 +1,4 @@
-"""A warm compile cache serves a second run: what fastpt changes for that (speedups/backends.py), the counters
+"""A warm compile cache serves a second run: what fastpt changes for that (speedups/compile.py), the counters
 results.json reports (`compile_cache`), and two real runs sharing one Inductor cache (slow)."""
 
 from __future__ import annotations

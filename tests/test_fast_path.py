@@ -150,12 +150,7 @@ def test_packed_and_device_batches_train_like_padded_ones(tiny_args, tmp_path, n
     packed = json.loads((runs["packed"] / "results.json").read_text())
     padded = json.loads((runs["padded"] / "results.json").read_text())
     assert packed["test_acc"] == padded["test_acc"]
-    choice = packed["pack_attention"]  # --pack-attention auto on a CPU: the faster of the probe's kernels
-    assert choice["kernel"] == min(choice["seconds"], key=choice["seconds"].get)
-    assert choice["shapes"]["heads"] > 0
-    from fastpt.files import checkpoint
-    saved = checkpoint.load(runs["packed"] / "checkpoints" / "last.pt")["pack_attention"]
-    assert saved == {"kernel": choice["kernel"], "device": "cpu"}  # what a resumed run keeps
+    assert packed["pack_attention"]["kernel"] == "loop"  # --pack-attention auto on a CPU
     assert packed["test_loss"] == pytest.approx(padded["test_loss"], rel=1e-4)
     assert padded["padding_efficiency"] < packed["padding_efficiency"] < 1.0  # rounded up to multiples of 16
     assert json.loads((runs["packed_device"] / "results.json").read_text())["padding_efficiency"] == 1.0
@@ -166,8 +161,8 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     weights: not one value read back from the device.
 
     On the CPU the packed attention takes the block-diagonal mask kernel (--pack-attention mask),
-    the one that reads nothing back (CUDA's varlen kernel reads nothing either; the CPU's loop and
-    grouped kernels read each review's boundaries on the host, harmless there).
+    the one that reads nothing back (CUDA's varlen kernel reads nothing either; the CPU's loop
+    kernel reads each review's boundaries on the host, harmless there).
     """
     from fastpt.loop.bookkeeping import Bookkeeping
 
@@ -204,3 +199,46 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     assert reads.seen == []
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["pack_attention"] == {"kernel": "mask", "source": "--pack-attention"}  # the flag reached it
+
+
+def test_a_run_saved_by_an_older_fastpt_with_a_removed_kernel_resumes_on_the_loop_and_predicts(
+        tiny_args, tmp_path, no_dropout):
+    """last.pt and config.json as fastpt wrote them when it had the grouped kernel and --cheap-dropout:
+    the resumed run attends with the loop, equals an uninterrupted run, and fastpt-predict reads the folder."""
+    from fastpt.cli.predict import main as predict
+    from fastpt.files import checkpoint
+
+    common = ("--pack", "--save-every", "1000", "--lr", "1e-3")  # last.pt at each epoch's end
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert main(tiny_args(*common, out=reference)) == 0
+    assert main(tiny_args(*common, "--epochs", "1", out=resumed)) == 0
+    last = resumed / "checkpoints" / "last.pt"
+    state = checkpoint.load(last)
+    assert "pack_attention" not in state  # fastpt no longer records the kernel there: its rule decides
+    old_settings = {"pack_attention": "grouped", "cheap_dropout": False}
+    checkpoint.save_atomic({**state, "config": {**state["config"], **old_settings},
+                            "pack_attention": {"kernel": "grouped", "device": "cpu"}}, last)
+    config = json.loads((resumed / "config.json").read_text())
+    (resumed / "config.json").write_text(json.dumps({**config, **old_settings}))
+    assert main(tiny_args(*common, "--resume", "auto", out=resumed)) == 0
+    got, expected = (json.loads((out / "results.json").read_text()) for out in (resumed, reference))
+    assert got["pack_attention"] == expected["pack_attention"] == {
+        "kernel": "loop", "source": "packed_attention_kernel's rule for this device"}
+    assert got["history"][-1]["val_loss"] == expected["history"][-1]["val_loss"]
+    assert (got["test_acc"], got["test_loss"]) == (expected["test_acc"], expected["test_loss"])
+    texts = tmp_path / "new.csv"
+    texts.write_text("text\na fine film\nnot good at all\n")
+    assert predict(["--model", str(resumed), "--data", str(texts), "--out", str(tmp_path / "p.csv"), "--pack"]) == 0
+    assert len((tmp_path / "p.csv").read_text().splitlines()) == 3
+
+
+def test_a_removed_flag_is_one_line_saying_what_to_use_instead(tiny_args, tmp_path, capfd):
+    cases = {("--cheap-dropout",): "--cheap-dropout is gone: ",
+             ("--pack", "--pack-attention", "grouped"): "'grouped' is gone: ",
+             ("--pack", "--pack-attention=grouped"): "'grouped' is gone: "}
+    for flags, gone in cases.items():
+        assert main(tiny_args(*flags, out=tmp_path / "run")) == 2
+        [line] = capfd.readouterr().err.strip().splitlines()
+        instead = "drop the flag" if "dropout" in gone else "use --pack-attention loop"
+        assert line.startswith("error: ") and gone in line and instead in line, line
+    assert not (tmp_path / "run").exists()  # refused before anything is written

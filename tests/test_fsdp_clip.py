@@ -4,6 +4,8 @@ FSDP2's gradients are DTensors sharded over the ranks; the stock `clip_grad_norm
 strategy's `clip_grad_norm_` hook) must compute the norm of the whole model, not of this
 rank's shard, and scale every shard by the same factor. Each rank trains on half of the batch;
 the reference is the unsharded copy of the model on the whole batch, clipped in one process.
+The norm the strategy returns is a plain tensor, and the whole clip costs one all-reduce: torch's
+total comes back replicated, so making it a plain tensor (`full_tensor()`) moves nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
 
     sys.path.insert(0, str(ROOT))
     from fastpt.config import TrainConfig
@@ -60,9 +63,13 @@ def main() -> None:
     torch.nn.functional.cross_entropy(model(x[half]), y[half]).backward()
     strategy = FSDPStrategy(TrainConfig(), DistInfo(rank, rank, world, torch.device("cpu")))
     strategy.module = model
-    norm = strategy.clip_grad_norm_(max_norm)
+    unclipped = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # scales every gradient by 1
+    assert isinstance(unclipped, DTensor) and unclipped.placements == (Replicate(),), unclipped.placements
+    with CommDebugMode() as comms:
+        norm = strategy.clip_grad_norm_(max_norm)
 
     assert not isinstance(norm, DTensor), "the returned norm is a plain tensor, ready to log"
+    assert comms.get_total_counts() == 1, comms.get_comm_counts()  # the total's all-reduce, nothing after it
     torch.testing.assert_close(norm, full_norm)
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         assert isinstance(p.grad, DTensor)

@@ -19,16 +19,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForSequenceClassification, BertConfig, DistilBertConfig
 
 from fastpt.inputs.data import Collator
-from fastpt.speedups import grouped_attention, packed_attention
+from fastpt.speedups import packed_attention
 from fastpt.speedups.compile import compile_layers, mark_token_dim_dynamic
 from fastpt.speedups.packed_attention import apply_packed_attention, packed_attention_kernel
 from fastpt.speedups.packing import PackedClassifier, PackedCollator, is_packed, packed_logits, unwrap
 
 
 MAX_LENGTH = 64
-CPU_KERNELS = ("loop", "grouped", "mask")
-# Lengths with groups of several reviews padded to their longest in the grouped kernel (checked below).
-GROUPED_LENGTHS = [9, 30, 2, MAX_LENGTH, 17, 60, 28, 58]
+CPU_KERNELS = ("loop", "mask")
+LENGTHS = [9, 30, 2, MAX_LENGTH, 17, 60, 28, 58]  # short and long reviews, one as long as the model allows
 
 
 def tiny_model(kind: str, seed: int = 0, attention_dropout: float = 0.0):
@@ -117,41 +116,10 @@ def test_collator_refuses_empty_reviews_and_bad_multiples():
 def test_packed_matches_padded_logits_and_gradients(kind, kernel, multiple):
     reference = tiny_model(kind).eval()
     packed = PackedClassifier(copy.deepcopy(reference), kernel).eval()
-    items = make_items(GROUPED_LENGTHS)
+    items = make_items(LENGTHS)
     batch = PackedCollator(pad_id=0, multiple=multiple)(items)
     assert_same(logits_and_grads(lambda: packed_logits(packed, batch, MAX_LENGTH), packed),
                 logits_and_grads(lambda: padded_logits(reference, items), reference))
-
-
-def test_the_grouped_kernel_groups_similar_lengths_with_bounded_padding():
-    cu_seqlens = PackedCollator(pad_id=0, multiple=16)(make_items(GROUPED_LENGTHS))["cu_seqlens"]
-    groups = grouped_attention.group_plan(cu_seqlens, int(cu_seqlens[-1]) + 10)  # + a rounding tail of 10
-    members = [m for _, ms in groups for m in ms]
-    assert sorted(s for s, _ in members) == cu_seqlens[:-1].tolist() + [int(cu_seqlens[-1])]  # every review, once
-    padded = [(longest, [n for _, n in ms]) for longest, ms in groups if len(ms) > 1]
-    assert any(min(ns) < longest for longest, ns in padded)  # the packed == padded tests cover masked padding
-    for longest, ns in padded:
-        exact = sum(n * n for n in ns)
-        assert longest == max(ns) and len(ns) * longest ** 2 <= (1 + grouped_attention.MAX_WASTE) * exact
-    assert grouped_attention.length_groups([5, 5, 5], max_waste=0.0) == [[0, 1, 2]]
-    assert len(grouped_attention.length_groups([64, 10, 9], max_waste=0.25)) == 2
-
-
-def test_grouped_kernel_off_the_cpu_path_matches_the_loop():
-    """The operator's path on other devices (SDPA with a boolean mask, backward by torch.func.vjp),
-    run here on the CPU, against the per-review loop: outputs and gradients."""
-    cu_seqlens = PackedCollator(pad_id=0)(make_items(GROUPED_LENGTHS))["cu_seqlens"]
-    inputs = [torch.randn(1, int(cu_seqlens[-1]) + 5, 4, 8).transpose(1, 2) for _ in range(3)]  # + a tail
-    weights = torch.randn(1, inputs[0].shape[2], 4, 8)
-    results = []
-    for attend in (lambda q, k, v: grouped_attention.grouped_sdpa(q, k, v, cu_seqlens, 8 ** -0.5),
-                   lambda q, k, v: packed_attention.KERNEL_FUNCTIONS["loop"](q, k, v, cu_seqlens, MAX_LENGTH, None)):
-        q, k, v = (x.detach().requires_grad_() for x in inputs)
-        out = attend(q, k, v)
-        (out * weights).sum().backward()
-        results.append((out.detach(), q.grad, k.grad, v.grad))
-    for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_rounding_tokens_change_no_review():
@@ -241,7 +209,7 @@ def test_varlen_kernel_on_cuda_matches_the_mask_kernel(kind):
 # --------------------------------------------------------------------------- torch.compile
 
 @pytest.mark.parametrize("kind,kernel", [("distilbert", "mask"), ("bert", "mask"), ("distilbert", "loop"),
-                                         ("bert", "loop"), ("bert", "grouped")])
+                                         ("bert", "loop")])
 def test_compiled_packed_matches_eager_with_one_graph_for_all_lengths(kind, kernel):
     # The loop kernel's host read and data-dependent split are inside one custom operator: the
     # compiler sees an op of the query's shape, so fullgraph holds and one graph serves every length.
@@ -268,7 +236,7 @@ def test_layer_by_layer_compile_matches_eager_with_one_graph_for_every_layer_and
     monkeypatch.setattr(torch, "compile", lambda target, **options: compile(target, **{**options, "backend": counter}))
     compiled = compile_layers(copy.deepcopy(eager), dynamic_tokens=True)
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # in place: no `_orig_mod.` anywhere
-    with torch._dynamo.config.patch(specialize_float=True):  # as a compiled run sets it (backends.py)
+    with torch._dynamo.config.patch(specialize_float=True):  # as a compiled run sets it (compile.py)
         for step in range(4):
             batch = PackedCollator(pad_id=0)(make_items(random_lengths(4, seed=step), seed=step))
             assert_same(logits_and_grads(lambda: packed_logits(compiled, batch, MAX_LENGTH), compiled),
@@ -345,7 +313,6 @@ def test_loop_kernel_reads_the_offsets_only_inside_its_operator():
     """It cuts the stream at offsets read on the host (one sync per layer on a GPU), inside a custom
     operator whose shape rule needs no data: that is what lets a compiled graph hold it."""
     run_on_meta("loop")
-    run_on_meta("grouped")
     with pytest.raises(NotImplementedError, match="meta"):
         packed_attention._attend_each_review(*(torch.empty(1, 2, 8, 4, device="meta") for _ in range(3)),
                                              torch.tensor([0, 3, 8], device="meta"), 0.5)

@@ -12,13 +12,13 @@ import argparse
 import pytest
 from torch.distributed.run import get_args_parser
 
-from fastpt.cli.args import build_parser
+from fastpt.cli.args import Gone, build_parser
 
 
 def _flags():
     """(primary flag, a value it accepts or None for a switch) for every option of train.py."""
     for action in build_parser()._actions:
-        if isinstance(action, argparse._HelpAction):
+        if isinstance(action, (argparse._HelpAction, Gone)):  # help; a removed flag, refused by design
             continue
         flag = action.option_strings[0]  # the name the docs and --help use; aliases are for plain python
         if action.nargs == 0:

@@ -40,6 +40,35 @@ class DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
+class Gone(argparse.Action):
+    """A flag fastpt no longer has: refused with one line that says what to use instead (status 2)."""
+
+    def __init__(self, option_strings, dest, instead: str, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is gone: {self.instead}")
+
+
+# Removed because their own measurements showed no gain: what each said, and what to use instead.
+GONE_FLAGS = {
+    "--cheap-dropout": "its 16-bit dropout masks made a packed step only 1.01x faster; drop the flag "
+                       "(dropout keeps nn.Dropout's masks)",
+}
+GONE_KERNELS = {
+    "grouped": "the grouped kernel was slower than the per-review loop on every CPU measured; use "
+               "--pack-attention loop, or leave the default",
+}
+
+
+def kernel_name(value: str) -> str:
+    """--pack-attention's value; a removed kernel is refused with what to use instead."""
+    if value in GONE_KERNELS:
+        raise argparse.ArgumentTypeError(f"{value!r} is gone: {GONE_KERNELS[value]}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = OneLineParser(
@@ -137,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack-multiple", type=int, default=None,
                    help="with --pack: round each batch's token count up to a multiple of N "
                         "(few shapes for CUDA graphs); at most --max-length")
-    g.add_argument("--pack-attention", default=None, choices=CHOICES["pack_attention"],
-                   help="with --pack: the attention kernel; auto (default): on a CPU the faster of loop and grouped, "
-                        "measured once per machine; on CUDA FlashAttention's varlen (fp16/bf16), else loop or mask")
+    g.add_argument("--pack-attention", default=None, type=kernel_name, choices=CHOICES["pack_attention"],
+                   help="with --pack: the attention kernel; auto (default): on a CPU the per-review loop; on CUDA "
+                        "FlashAttention's varlen (fp16/bf16), else loop (eager) or mask (compiled)")
     g.add_argument("--data-on-device", action="store_true",
                    help="keep the tokenised splits on the device and gather batches there (no workers, no copies)")
     g.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size,
@@ -163,12 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None,
                    help="one fused Adam kernel (default: on with CUDA)")
     g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false", help="per-tensor Adam")
-    g.add_argument("--cheap-dropout", action="store_true",
-                   help="dropout masks from 16-bit slices of random 64-bit words instead of one bernoulli_ draw per "
-                        "element: on a CPU, 1.3-1.6x faster dropout but a packed MiniLM step only 1.01x "
-                        "(scripts/results/dropout-masks-cpu.md). Off by default: other masks than nn.Dropout's, so "
-                        "runs no longer match the ladder scripts and the "
-                        "Lightning / accelerate peers mask for mask; unmeasured on CUDA, whose dropout is one kernel")
     g.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA")
     g.add_argument("--attn-implementation", default=d.attn_implementation, choices=CHOICES["attn_implementation"],
                    help="scaled_dot_product_attention or the eager matmuls")
@@ -207,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no tb/ event files")
     g.add_argument("--verbose", action="store_true",
                    help="also show the libraries' own messages (Hugging Face, DeepSpeed)")
+    for flag, instead in GONE_FLAGS.items():
+        p.add_argument(flag, action=Gone, instead=instead)
     return p
 
 

@@ -49,9 +49,6 @@ def save_last(ckpt_dir: Path, cfg, dist, strategy, bookkeeping, record: RunRecor
             "progress": {**bookkeeping.progress(), "val_time_s": record.val_time_s,
                          "val_compile_s": record.val_compile_s, "examples_in_epoch": examples_in_epoch},
             "batch_size_flag": record.batch_size_flag,
-            # --pack-attention auto's kernel: a resumed run keeps it (loop/build.py:pack_attention_choice)
-            "pack_attention": ({"kernel": getattr(strategy.module, "kernel", None), "device": dist.device.type}
-                               if cfg.pack else None),
             "early_stopping": record.early_stopping.state_dict(),
             "best": record.best.state_dict(),
             "history": record.history,
@@ -130,7 +127,7 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         # Mean over the last epoch's steps of max / mean tokens per rank: every step waits for the fullest rank.
         "rank_token_imbalance": data.rank_token_imbalance(loaders.train_sampler, data.computed_tokens(cfg)),
         **metrics.rate_results(bookkeeping.meter, dist.world_size, bookkeeping.resumed_at_step),
-        # The packed attention kernel and how it was chosen (a CPU's probe: each kernel's seconds, the shapes).
+        # The packed attention kernel and how it was chosen (--pack-attention, or the device's rule).
         "pack_attention": getattr(strategy.module, "kernel_choice", None) if cfg.pack else None,
         "peak_memory_bytes": metrics.peak_memory_bytes(dist.device),
         "memory_per_rank": distributed.all_gather_object(strategy.memory_report()),  # list, by rank

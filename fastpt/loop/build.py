@@ -5,7 +5,7 @@
         backends                            TF32, deterministic kernels, the compile cache (backends.py)
         tracker                             console, TensorBoard (rank 0 writes; monitoring/tracking.py)
         loaders                             global batches, each rank its share (inputs/data.py)
-        --cheap-dropout, --pack             dropout's masks, packed batches (speedups/dropout.py, packing.py)
+        --pack                              packed batches and their attention kernel (speedups/packing.py)
         strategy.setup(model)               to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer
         forward_loss, eval_sums             step.py / evaluation.py, compiled where the strategy does
         bookkeeping, record                 counters, throughput (bookkeeping.py); best epoch, early stopping (record.py)
@@ -192,12 +192,9 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     model, inputs.model = inputs.model, None  # the strategy holds it from here on
     n_params, n_matmul = count_parameters(model)
     layers, hidden = metrics.model_shape(model)
-    if cfg.cheap_dropout:  # dropout masks from 16-bit slices of random words, not bernoulli_ per element
-        from fastpt.speedups.dropout import apply_cheap_dropout
-        model = apply_cheap_dropout(model)
     if cfg.pack:  # padding-free batches: attention per review, the head on each review's first token
         from fastpt.speedups.packing import PackedClassifier
-        choice = pack_attention_choice(cfg, dist, model, resume_state)
+        choice = pack_attention_choice(cfg, dist.device.type)
         model = PackedClassifier(model, choice["kernel"], choice=choice)
     # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer, schedule (strategies/base.py)
     batches_per_epoch = inputs.train_examples_used(cfg, dist.world_size) // loaders.train_sampler.global_batch_size
@@ -238,29 +235,16 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         tracker.close()
 
 
-def pack_attention_choice(cfg, dist, model, resume_state: dict | None = None) -> dict:
-    """{"kernel", "source", and on a CPU under auto the probe's "seconds" and "shapes"}: --pack-attention,
-    else on a CPU the faster kernel measured on this machine (attention_probe.py), else CUDA's rule.
-    A resumed run keeps the kernel its last.pt was trained with on the same kind of device: the kernels
-    agree only to rounding, and another machine's probe could choose differently (not bitwise then)."""
+def pack_attention_choice(cfg, device_type: str) -> dict:
+    """{"kernel", "source"}: --pack-attention's kernel, else the device's rule (packed_attention_kernel).
+    The rule reads only settings a resume keeps (--amp) or that change the numbers anyway (the device,
+    --compile), so a resumed run attends as it started; an older last.pt's record of a kernel fastpt no
+    longer has ("grouped") is not read: such a run continues with the loop, as the rule gives on a CPU."""
     from fastpt.speedups.packed_attention import packed_attention_kernel
     if cfg.pack_attention != "auto":
         return {"kernel": cfg.pack_attention, "source": "--pack-attention"}
-    chosen = (resume_state or {}).get("pack_attention") or {}
-    if chosen.get("device") == dist.device.type:
-        return {"kernel": chosen["kernel"], "source": "last.pt: the kernel the run started with"}
-    if dist.device.type != "cpu":
-        return {"kernel": packed_attention_kernel(dist.device.type, cfg.compile, cfg.amp),
-                "source": "packed_attention_kernel's rule for this device"}
-    from fastpt.speedups import attention_probe
-    c = model.config
-    heads = getattr(c, "n_heads", None) or c.num_attention_heads
-    distributed.barrier()  # the ranks of one host probe together, sharing its cores as their steps will
-    found = attention_probe.measured_kernel(getattr(torch, cfg.amp_dtype) if cfg.amp else torch.float32, heads,
-                                            metrics.model_shape(model)[1] // heads, cfg.batch_size, cfg.max_length,
-                                            Path(cfg.cache_dir) if cfg.cache_dir else None, dist.local_world_size)
-    found = distributed.broadcast_object(found)  # every rank runs rank 0's choice
-    return {k: found[k] for k in ("kernel", "source", "seconds", "shapes")}
+    return {"kernel": packed_attention_kernel(device_type, cfg.compile, cfg.amp),
+            "source": "packed_attention_kernel's rule for this device"}
 
 
 def device_peak(cfg, dist, hidden: int) -> dict:

@@ -9,8 +9,10 @@
 `train_step` is the whole computation of one optimiser step: move each micro-batch to the
 device, forward under autocast, the loss, the scaled backward (gradients reduced across
 processes only on the last micro-batch), then unscale, clip, step, update the scaler and zero
-the gradients. `forward_loss` (forward, loss and the batch's metric sums) is the function
-`torch.compile` compiles whole on one device, so what a reader reads is what runs.
+the gradients. `forward_loss` (forward, loss and the batch's metric sums) runs eagerly around
+compiled transformer layers under `--compile` (the default scope), and is itself compiled whole on
+one device under `--compile-scope whole`: either way what a reader reads is what runs
+(speedups/compile.py).
 
 Everything that is not the computation (step counters, the epoch's metric sums, the log
 window, the first non-finite loss, the throughput meter, signals, resume) lives in

@@ -1,8 +1,8 @@
-"""`torch.compile` (`--compile`, `--compile-mode`).
+"""`torch.compile` (`--compile`, `--compile-mode`, `--compile-scope`): the whole lesson in this file.
 
-What it does: TorchDynamo captures the model's forward (and AOTAutograd its backward) as
-graphs; Inductor fuses their element-wise ops into a few generated Triton (GPU) or C++ (CPU)
-kernels. The modes (torch._inductor.list_mode_options):
+What it does: TorchDynamo captures Python code as graphs (AOTAutograd adds their backward);
+Inductor fuses their element-wise ops into a few generated Triton (GPU) or C++ (CPU) kernels.
+The modes (torch._inductor.list_mode_options):
 - `default`: fusion only;
 - `max-autotune-no-cudagraphs`: also benchmarks matmul kernels and tunes the generated ones;
 - `reduce-overhead`: fusion plus CUDA graphs;
@@ -16,18 +16,56 @@ goes further: the CPU launches a whole recorded graph at once instead of one ker
 What it costs: the first step compiles (tens of seconds on a GPU, minutes on a small CPU;
 `first_step_s` in results.json reports it apart from the measured steps, which leave it out),
 evaluation compiles once more (no_grad and eval mode change the graph), and errors show up as
-long traces. Shapes: the first graph is static, specialised to the sizes it saw. A call with a
-new size recompiles once, with the dimensions that changed made symbolic ("automatic dynamic
-shapes"), and that graph then serves every later size of those dimensions; a dimension that
-changes later (say the shorter last batch) costs one more recompile. With fixed padding
-(`--pad-to max_length`) the token count never changes. Where it varies (`--bucket`,
-`--pad-to longest`, `--pack`) the token dimension, and only it, is marked dynamic on every
-batch (`mark_token_dim_dynamic`): that saves the static first graph and its recompile, so one
-graph serves every length from the start.
+long traces. Replaces Lightning's `model = torch.compile(model)` before `Trainer.fit`.
 
-CUDA graphs (`reduce-overhead`, `max-autotune`): a graph is recorded once per distinct input
-shape (so it pays off with fixed padding, or with `--pack --pack-multiple N`, which rounds every
-batch to a few sizes) and then replayed. What that requires:
+The two scopes: what is compiled, and when each applies
+-------------------------------------------------------
+    # --compile-scope layers (the default): each transformer layer compiled in place
+    compile_layers(model, mode, dynamic_tokens)            # one graph serves every layer
+    # --compile-scope whole: the step's forward, loss and metric sums as one graph (one device)
+    forward_loss = apply_compile(forward_loss, mode, fullgraph=True)
+
+- `layers`, the default (PyTorch's recipe "regional compilation", torchtitan's): each
+  transformer layer is compiled in place, with `fullgraph=True` so a graph break is an error;
+  the embeddings, the head, the loss and the metric sums run eagerly around them. The layers
+  are instances of one class with parameters of one shape, and Dynamo passes a module's
+  parameters to its graph as inputs (`inline_inbuilt_nn_modules`, on by default), so the first
+  layer's graph serves every layer: Dynamo traces and Inductor compiles one layer, not the
+  stack, so the cold compile does not grow with depth (MiniLM's 6 layers on a 2-core AVX2 EPYC:
+  17 s of compiling against the whole step's 52 s, at the same step time;
+  scripts/results/compile-cache-cpu.md, from `scripts/compile_cache.py`). The layers hold
+  nearly all of a step's work (matmuls, attention); what is lost is fusion across layer
+  boundaries. Where: `Strategy.wrap` (strategies/base.py) on one device; DDP compiles the
+  layers, then wraps the model (strategies/ddp.py); FSDP compiles each layer, then shards it
+  (strategies/fsdp.py:apply_fsdp, torchtitan's order), without `fullgraph`.
+- `whole`: the largest unit the strategy allows, for the GPU fast path, where a CUDA graph
+  (`--compile-mode reduce-overhead`) records the whole step's forward and backward at once. On
+  one device the step's forward, loss and metric sums (`step.make_forward_loss`'s function)
+  are compiled as one function with `fullgraph=True` (`Strategy.compile_step`). Under DDP the
+  model is compiled and then wrapped, which lets DDP's optimizer split the graph at
+  gradient-bucket boundaries so communication overlaps the backward. It traces every layer
+  again, so the cold compile grows with depth. FSDP refuses it: its all-gather / reduce-scatter
+  hooks run between the layers and must stay outside the compiled graphs (config.py).
+Either way AOTAutograd compiles the backward of what is compiled, and the optimizer step
+(GradScaler, clipping, Adam) runs eagerly (with --fused-adam, as Adam's fused kernel). The
+compiled layers or function leave the model's parameter names alone, so checkpoints
+(`strategy.module`, the plain model) never carry an `_orig_mod.` prefix.
+
+Shapes
+------
+The first graph is static, specialised to the sizes it saw. A call with a new size recompiles
+once, with the dimensions that changed made symbolic ("automatic dynamic shapes"), and that graph
+then serves every later size of those dimensions; a dimension that changes later (say the shorter
+last batch) costs one more recompile. With fixed padding (`--pad-to max_length`) the token count
+never changes. Where it varies (`--bucket`, `--pad-to longest`, `--pack`) the token dimension, and
+only it, is marked dynamic on every batch (`mark_token_dim_dynamic`), and the layers are compiled
+with dynamic shapes: one graph serves every length from the start.
+
+CUDA graphs (`reduce-overhead`, `max-autotune`)
+-----------------------------------------------
+A graph is recorded once per distinct input shape (so it pays off with fixed padding, or with
+`--pack --pack-multiple N`, which rounds every batch to a few sizes) and then replayed. What that
+requires:
 - static memory: every replay reads the same addresses, so each batch is first copied into the
   graph's input buffers (parameters stay where they are), and outputs come back in the graph's
   own buffers. Each replay overwrites the previous one's outputs: the step's metric sums are
@@ -37,46 +75,58 @@ batch to a few sizes) and then replayed. What that requires:
   CPU tensors, no input changed in place. A graph that breaks these rules runs without a CUDA
   graph (Inductor logs "skipping cudagraphs due to ..." with TORCH_LOGS=cudagraphs);
 - memory: the recorded graphs share one memory pool (CUDA graph trees) that other work cannot
-  use, and each recorded shape adds its own input buffers: many shapes cost memory as well as
-  recording time.
-What is captured is what Inductor compiled (below; on one device the forward, loss and metric
-sums, and their backward); the input copy, gradient reduction under DDP/FSDP, GradScaler,
-clipping and the optimizer step run eagerly between the replays.
+  use, and each recorded shape adds its own input buffers.
+What is captured is what Inductor compiled; the input copy, gradient reduction under DDP/FSDP,
+GradScaler, clipping and the optimizer step run eagerly between the replays.
 
-Where it applies (`--compile-scope`, fixed in the strategies, see strategies/base.py):
-- `layers` (the default; PyTorch's recipe "regional compilation"): each transformer layer is
-  compiled in place (`compile_layers`), with `fullgraph=True` so a graph break is an error; the
-  embeddings, the head, the loss and the metric sums run eagerly around them. The layers are
-  instances of one class with parameters of one shape, and Dynamo passes a module's parameters
-  to its graph as inputs (`inline_inbuilt_nn_modules`, on by default), so the first layer's graph
-  serves every layer: Dynamo traces and Inductor compiles one layer, not the stack, so the cold
-  compile no longer grows with depth (`scripts/compile_cache.py` times both scopes, cold and
-  warm). The layers hold nearly all of a step's work (matmuls, attention), so the eager remainder
-  (embeddings, head, loss) costs little; what is lost is fusion across layer boundaries.
-- `whole`: the largest unit the strategy allows. On one device the step's forward, loss and
-  metric sums (`step.forward_loss`) are compiled as one function with `fullgraph=True`; under
-  DDP the model is compiled and then wrapped, which lets DDP's optimizer split the graph at
-  gradient-bucket boundaries so communication overlaps the backward. It traces every layer
-  again, so the cold compile grows with depth.
-AOTAutograd compiles the backward of what is compiled. The optimizer step (GradScaler,
-clipping, Adam) is not compiled: it runs eagerly (with --fused-adam, as Adam's fused kernel).
-Under FSDP each transformer layer is compiled in place and then sharded (strategies/fsdp.py,
-torchtitan's order), whatever the scope: the all-gather / reduce-scatter hooks between layers
-must stay outside the compiled graphs, so `--compile-scope whole` is refused there.
-
-The cache: a second run with the same graphs finds them on disk (speedups/backends.py names the
-folder) and skips Inductor (the FX graph cache) and, if the graph qualifies, AOTAutograd's
-tracing and partitioning of the backward (the AOTAutograd cache); Dynamo still traces the Python
-code each run. results.json's `compile_cache` counts both caches' hits, misses and bypasses.
-The compiled function or module leaves the model's parameter names alone, so checkpoints
-(`strategy.module`, the plain model) never carry an `_orig_mod.` prefix.
-
-Replaces Lightning's `model = torch.compile(model)` before `Trainer.fit`.
+What a compiled run sets while it lasts (`compiled_run_settings`, undone by `restore_settings`)
+-------------------------------------------------------------------------------------------------
+- The cache: torch.compile stores generated kernels and compiled graphs on disk, so a second run
+  with the same graphs skips Inductor (the FX graph cache) and, if the graph qualifies,
+  AOTAutograd's tracing and partitioning of the backward (the AOTAutograd cache); Dynamo still
+  traces the Python code each run. results.json's `compile_cache` counts both caches' hits,
+  misses and bypasses. fastpt keeps them in `<cache dir>/inductor` (the token cache's folder,
+  `$FASTPT_CACHE_DIR` or `~/.cache/fastpt`) unless `TORCHINDUCTOR_CACHE_DIR` is already set.
+  Inductor reads the variable each time it needs the folder (`torch._inductor.runtime.
+  cache_dir_utils.cache_dir`), but that function also writes its default,
+  `/tmp/torchinductor_<user>`, into the variable, and importing `torch._dynamo` calls it: so by
+  the time a run gets here the variable is set. Only a value other than torch's default counts
+  as the user's choice (`compile_cache_dir`).
+- Autocast inside a compiled graph: the whole-step scope compiles the step function, which
+  enters autocast itself, so Dynamo records `torch.amp._enter_autocast` / `_exit_autocast` in
+  the graph. torch 2.13's AOTAutograd cache refuses ("bypasses") any graph calling a private
+  function it does not list, so such a graph was traced and partitioned again on every run, warm
+  cache or not (pytorch/pytorch#191106, allowed upstream by later torch). Their effect is fixed by
+  their arguments (device, dtype, enabled), which are constants in the graph and so in its cache
+  key: fastpt lists them in `torch._inductor.config.unsafe_marked_cacheable_functions`, the knob
+  torch provides for this. (Layer by layer, autocast is entered outside the compiled regions and
+  no graph holds these calls.)
+- Float attributes are constants: `torch._dynamo.config.specialize_float` is on. A layer compiled
+  with `dynamic=True` would otherwise turn every float attribute of its modules (layer-norm eps,
+  dropout p, the attention scale) into a symbol, which Inductor cannot keep: it specialises them
+  and restarts Dynamo's analysis ("tensorify" restart), so each layer graph was traced twice.
+- On a CPU, one graph for every packed length: a float32 sum over more than 4,096 elements gets
+  Inductor's chunked ("cascade") summation on a CPU; over fewer, a plain one. With the token
+  count symbolic (packed or bucketed batches) that choice was made on the first batch's count and
+  kept as a guard, `tokens <= 4096`: the first batch of more than 4,096 tokens (12 reviews at
+  512, often) compiled the training layer a second time, half an epoch in. A sum whose size is
+  unknown until it runs takes the chunked summation (right at any size: one chunk is the plain
+  sum) and adds no guard (`_chunked_sum_without_guard`).
+- On a CPU, dropout masks: Inductor draws its own random numbers inside its kernels unless
+  `torch._inductor.config.fallback_random` is on, and on a CPU its own were 2-3x slower than
+  eager's `bernoulli_` (scripts/results/dropout-masks-cpu.md). It is on: the graph calls
+  `bernoulli_` as eager does, in the same order from the same generator, so a compiled run draws
+  the masks an eager one would (tests/test_speedups.py compares the two steps with dropout on).
+  On CUDA Inductor's own (Philox, in the kernel) stay.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -90,7 +140,7 @@ def compile_options(mode: str = "default", dynamic: bool | None = None, fullgrap
 
 
 def apply_compile(target, mode: str = "default", fullgraph: bool = False):
-    """`target` (a function or a module) compiled by TorchDynamo + Inductor.
+    """The whole scope: `target` (a function or a module) compiled by TorchDynamo + Inductor.
 
     `dynamic=None`: sizes start static; the dimensions `mark_token_dim_dynamic` marks are
     symbolic from the first call.
@@ -112,7 +162,8 @@ def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def compile_layers(model: torch.nn.Module, mode: str = "default", dynamic_tokens: bool = False,
                    fullgraph: bool = True) -> torch.nn.Module:
-    """Regional compilation: each transformer layer compiled in place (`Module.compile`); `model` is returned.
+    """The layers scope (regional compilation): each transformer layer compiled in place
+    (`Module.compile`); `model` is returned.
 
     In place, so parameter names (and checkpoints) do not change. A layer's input is a hidden
     state computed eagerly, not the input ids `mark_token_dim_dynamic` marks, so where lengths
@@ -141,3 +192,86 @@ def check_compile_supported() -> None:
     if not torch._dynamo.is_dynamo_supported():  # pragma: no cover
         raise ValueError(f"--compile is not supported on Python {sys.version.split()[0]} "
                          f"with torch {torch.__version__}")
+
+
+# --------------------------------------------------------------------------- a compiled run's settings
+
+CHUNK = 4096  # Inductor's chunk for a float32 sum on a CPU (torch/_inductor/codegen/cpp.py)
+
+# Dynamo's names for entering and leaving an autocast region inside a graph (torch/_dynamo/variables/ctx_manager.py).
+AUTOCAST_CALLS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
+
+_before_run: dict = {}  # each setting as the run found it, put back by restore_settings()
+
+
+def compiled_run_settings(device: torch.device, cache_root: Path) -> None:
+    """The process-wide settings of a compiled run (see the module's docstring), set before anything compiles."""
+    _before_run["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(cache_root)
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    _before_run["specialize_float"] = dynamo_config.specialize_float
+    dynamo_config.specialize_float = True
+    _before_run["cacheable"] = dict(inductor_config.unsafe_marked_cacheable_functions)
+    inductor_config.unsafe_marked_cacheable_functions = {
+        **inductor_config.unsafe_marked_cacheable_functions, **{name: torch.__version__ for name in AUTOCAST_CALLS}}
+    if device.type == "cpu":
+        _chunked_sum_without_guard(True)
+        _before_run["fallback_random"] = inductor_config.fallback_random
+        inductor_config.fallback_random = True
+
+
+def restore_settings() -> None:
+    """The settings as `compiled_run_settings` found them (nothing if it did not run)."""
+    if "cacheable" in _before_run:
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+
+        dynamo_config.specialize_float = _before_run.pop("specialize_float")
+        inductor_config.unsafe_marked_cacheable_functions = _before_run.pop("cacheable")
+        _chunked_sum_without_guard(False)
+        if "fallback_random" in _before_run:
+            inductor_config.fallback_random = _before_run.pop("fallback_random")
+    if "TORCHINDUCTOR_CACHE_DIR" in _before_run:
+        previous = _before_run.pop("TORCHINDUCTOR_CACHE_DIR")
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def compile_cache_dir(cache_root: Path) -> str:
+    """Where Inductor caches this run's kernels: TORCHINDUCTOR_CACHE_DIR if the user chose it, else
+    <cache root>/inductor."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):  # torch's own default
+        return str(cache_root / "inductor")
+    return chosen
+
+
+def _chunked_sum_without_guard(on: bool) -> None:
+    """Inductor's CPU kernels: a float32 sum of a size known only at run time uses the chunked
+    summation, without guarding on the size (on), or Inductor's own rule again (off)."""
+    try:
+        from torch._inductor.codegen.cpp import CppKernel
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - another torch's layout: its own rule stays
+        return
+    own = getattr(CppKernel.need_use_acc_helper, "inductors_own", CppKernel.need_use_acc_helper)
+    if not on:
+        CppKernel.need_use_acc_helper = own
+        return
+
+    def need_use_acc_helper(self, reduction_type, dtype, use_scalar):
+        if reduction_type == "sum" and dtype == torch.float and getattr(self, "call_ranges", None) is not None:
+            size = functools.reduce(operator.mul, self.call_ranges[self.reduction_depth:])
+            sizes = V.graph.sizevars
+            if not (sizes.statically_known_leq(size, CHUNK) or sizes.statically_known_gt(size, CHUNK)):
+                return True
+        return own(self, reduction_type, dtype, use_scalar)
+
+    need_use_acc_helper.inductors_own = own
+    CppKernel.need_use_acc_helper = need_use_acc_helper

@@ -1,19 +1,15 @@
 """Attention inside each review of a packed batch (packing.py): the kernels, and their hook into
 Hugging Face models (a registered attention function).
 
-The attention kernels (`KERNELS`), all exact; `--pack-attention` picks one (auto: measured on a
-CPU, attention_probe.py; `packed_attention_kernel`'s rule elsewhere):
+The attention kernels (`KERNELS`), all exact; `--pack-attention` picks one (auto, the default:
+`packed_attention_kernel`'s rule):
 - "varlen": `torch.nn.attention.varlen.varlen_attn`, FlashAttention on the stream (CUDA,
   fp16/bf16 only). Reads nothing back to the host. It writes outputs and gradients only for rows
   inside a sequence, so the rounding tail goes in as one more sequence, no longer than
   `max_seqlen`: hence `--pack-multiple` <= `--max-length`.
 - "loop": plain SDPA on each review in turn, inside one custom operator (`attend_each_review`)
   that torch.compile treats as opaque. Reads `cu_seqlens` to the host (one sync per layer on a
-  GPU, nothing on a CPU). With "grouped" the fastest CPU kernels by far.
-- "grouped": the reviews sorted by length and cut into groups of little padding, one batched call
-  per group with a key-padding mask (grouped_attention.py): fewer, larger calls for the matrix
-  units. A custom operator too. On a CPU, `--pack-attention auto` times it against the loop on
-  this machine and keeps the faster (attention_probe.py).
+  GPU, nothing on a CPU). The fastest CPU kernel by far.
 - "mask": SDPA on the whole stream with a block-diagonal mask built on the device from
   `cu_seqlens`. O(T^2) work and memory, but no host read and no data-dependent shape: a CUDA
   graph compiled in fp32 (where varlen has no kernel) uses it.
@@ -23,7 +19,9 @@ forward + backward, fp32, 12 heads of 32, 12 reviews of IMDB-like lengths (mean 
 on a nested jagged tensor (`torch.nested`, layout=torch.jagged), a fifth way, took 1.4 s: torch
 has no fused CPU kernel for jagged inputs (it copies them to a strided nested tensor and runs
 the unfused math path), and on CUDA varlen is the fused kernel, so fastpt does not use it.
-The grouped kernel's figures, per machine: scripts/results/packing-kernels-cpu.md.
+Reviews grouped by length, one padded call per group, were slower than the loop on both CPUs
+measured (1.15-1.37x on an AVX2 EPYC in fp32, 1.14-1.28x on an AVX512-BF16 EPYC in bf16), so
+fastpt has no such kernel.
 """
 
 from __future__ import annotations
@@ -34,11 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpt.speedups.custom_ops import connect_backward
-from fastpt.speedups.grouped_attention import grouped_attention
 
 PACKED_ATTENTION = "fastpt_packed"
-KERNELS = ("varlen", "loop", "grouped", "mask")
+KERNELS = ("varlen", "loop", "mask")
 
 
 # Each takes query/key/value as [1, heads, T, head_dim] and returns [1, T, heads, head_dim].
@@ -119,7 +115,21 @@ def attend_each_review_backward(grad: torch.Tensor, query: torch.Tensor, key: to
     return tuple(g.contiguous() for g in pullback(grad))  # the strides the shape rule below promises
 
 
-connect_backward(attend_each_review, attend_each_review_backward)
+@attend_each_review_backward.register_fake
+def _(grad, query, key, value, cu_seqlens, out, lse, scaling):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _save_for_backward(ctx, inputs, output):
+    query, key, value, cu_seqlens, ctx.scaling = inputs
+    ctx.save_for_backward(query, key, value, cu_seqlens, *output)  # output: the attention and its log-sum-exp
+
+
+def _backward(ctx, grad, grad_lse):  # only this backward reads the log-sum-exp: its gradient is unused
+    return *attend_each_review_backward(grad, *ctx.saved_tensors, ctx.scaling), None, None
+
+
+attend_each_review.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def _loop_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
@@ -173,14 +183,12 @@ def _varlen_options() -> frozenset:
 
 
 _VARLEN_OPTIONS = _varlen_options()
-KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention, "grouped": grouped_attention,
-                    "mask": _mask_attention}
+KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention, "mask": _mask_attention}
 
 
 def packed_attention_kernel(device_type: str, compiled: bool, low_precision: bool = True) -> str:
-    """The kernel `--pack-attention auto` uses off the CPU (a CPU measures, attention_probe.py), and
-    any device's fallback: FlashAttention's varlen on CUDA in fp16/bf16; the per-review loop on a
-    CPU, eager or compiled; on CUDA in fp32, the loop in eager mode and the block-diagonal mask
+    """The kernel `--pack-attention auto` uses: FlashAttention's varlen on CUDA in fp16/bf16; the
+    per-review loop on a CPU, eager or compiled; on CUDA in fp32, the loop in eager mode and the block-diagonal mask
     under torch.compile (the loop's host read would stall a compiled step and break CUDA graphs)."""
     if device_type == "cuda" and low_precision and "cu_seq_q" in _VARLEN_OPTIONS:
         return "varlen"

@@ -28,9 +28,8 @@ What it costs:
   (which reads token 0 of each row). Its state dict is the plain model's, key for key.
 
 The attention kernels (`packed_attention.py`: FlashAttention's varlen on CUDA, a per-review
-loop of SDPA calls, reviews grouped by length (grouped_attention.py), a block-diagonal mask), all
-exact; `--pack-attention` picks one, by default measured on a CPU (attention_probe.py) and by
-`packed_attention_kernel`'s rule on CUDA.
+loop of SDPA calls, a block-diagonal mask), all exact; `--pack-attention` picks one, by default
+`packed_attention_kernel`'s rule (the loop on a CPU, varlen on CUDA in fp16/bf16).
 
 Lightning has no flag for this. In Hugging Face it is `DataCollatorWithFlattening` (padding-free
 training: one row, `position_ids` restarting per example) with a flash-attention implementation.
@@ -112,7 +111,7 @@ class PackedClassifier(nn.Module):
     plain `AutoModelForSequenceClassification`.
     This module, not the Hugging Face one, is what gets compiled and wrapped in DDP.
     `kernel` is one of packed_attention.KERNELS; `choice` says how it was chosen (--pack-attention,
-    or attention_probe.py's figures), for results.json.
+    or the device's rule), for results.json.
     """
 
     def __init__(self, model: nn.Module, kernel: str = "loop", choice: dict | None = None):

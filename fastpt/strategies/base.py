@@ -132,10 +132,13 @@ class Strategy:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients so that their global norm is at most max_norm; that norm, as a plain tensor.
 
-        Under FSDP2 the gradients are DTensors, and the stock call already computes the whole model's norm
-        (the shards' partial norms are combined over the ranks into one replicated total), so every rank
-        clips as one process would. Only the returned norm is still a DTensor: `full_tensor()` makes it
-        a plain tensor to log or compare (replicated already, so no communication).
+        Under FSDP2 the gradients are DTensors, and the stock call computes the whole model's norm: each
+        shard's norm is a partial DTensor (`_NormPartial`, pending a sum over the ranks), and combining
+        them into the total makes DTensor all-reduce them, inside the call, so the total comes back
+        replicated (a `Replicate` DTensor, torch 2.13) and every rank clips as one process would.
+        `full_tensor()` makes it a plain tensor to log or compare; on a replicated DTensor it moves
+        nothing, and on a partial one it would be the all-reduce, so the value is right either way
+        (tests/test_fsdp_clip.py: one all-reduce in all, the norm and the gradients of one process).
         """
         total_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
         return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm

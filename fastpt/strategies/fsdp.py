@@ -26,9 +26,10 @@ its "found inf" flag, because each rank only sees its own gradient shard: `Shard
 Clipping (`--max-grad-norm`) needs nothing of its own in torch 2.13 (checked by
 tests/test_fsdp_clip.py against one process): the gradients are DTensors, so the stock
 `torch.nn.utils.clip_grad_norm_` (the base strategy's) computes the whole model's norm: each
-shard's norm is a `_NormPartial` DTensor, combined over the ranks into one replicated total, and
-every rank scales its shard by the same factor. This depends on the torch version (torchtitan
-still handles `_NormPartial` itself). FSDP1's flat gradients needed its own
+shard's norm is a partial (`_NormPartial`) DTensor, summed over the ranks by one all-reduce
+inside the call into a replicated total, and every rank scales its shard by the same factor. The
+returned total is still a DTensor; `full_tensor()` turns it into a plain tensor (as torchtitan
+does), which for a replicated one costs no communication. FSDP1's flat gradients needed its own
 `FullyShardedDataParallel.clip_grad_norm_`.
 
 Checkpoints: `model_state_dict` gathers the full, unsharded state on rank 0 (a collective), so
