@@ -1,15 +1,20 @@
-"""Run configuration: one typed dataclass, built from the command line, validated once.
+"""Run configuration: one typed dataclass, built from the command line, validated once, then frozen.
 
 Every setting of a run lives in `TrainConfig`. `parse_args` turns `train.py`'s command line
 into one; `TrainConfig.__post_init__` checks every value and raises `ValueError` with a
-one-line message that names the bad setting, before any data is read or any folder written.
-Validation happens once, on the values given. Two steps then derive values, before the run
-starts and never after: `cli/shell.py:resolve_config` fills in every "decide for me" setting
-(absolute paths, loader workers and pinned memory, fused Adam on CUDA), and
-`loop/build.py:load_inputs` records what the data says (`label_names` unless --label-names gave
-them, `data_splits`, `class_weight_values`) and checks the given names and weights against the
-number of classes. Both only resolve what was left open; neither changes a value that was checked. The resolved config
-is saved as `config.json` next to the results and inside every checkpoint.
+one-line message that names the bad setting, before any data is read or any folder written,
+fills in the defaults that depend on other settings, and freezes it: assigning to a setting
+afterwards raises `dataclasses.FrozenInstanceError`. A config is a value, passed down to every
+layer that reads it.
+
+A real change later is a new value, `dataclasses.replace(cfg, ...)` (checked again), passed on:
+`cli/shell.py:resolve_config` fills in every "decide for me" setting (absolute paths, loader
+workers and pinned memory, fused Adam on CUDA), a resume on another number of processes gets its
+per-process batch (`cluster/resize.py:adapt`), and the IMDB folder that loading found is recorded.
+What the data decides is not a setting: `loop/build.py:load_inputs` puts the label names, where
+each split came from and the class weights' values on `Inputs`, and the saved config
+(`config.json` next to the results, and inside every checkpoint) adds them under the names
+`label_names`, `data_splits` and `class_weight_values`.
 
 Defaults are the article's run: distilbert-base-uncased, 3 epochs, batch 12, Adam 5e-5,
 seed 123, sequences truncated and padded to 512 tokens.
@@ -102,10 +107,9 @@ class TrainConfig:
     test_fraction: Optional[float] = None  # likewise for test
     split_seed: int = 0  # the carving's shuffle (not --seed: a new --seed keeps the split)
     export_dir: Optional[str] = None  # the tested weights as a Hugging Face model folder
-    # Derived while loading the data (load_inputs), written to config.json and best.pt: id i is label_names[i].
-    # --label-names gives them for --data's integer labels (a comma list, one name per label, in the ids' order).
+    # --label-names: --data's integer labels named (a comma list, one name per label, in the ids' order).
+    # The names a run trains with are the data's (Inputs.label_names): these, or the ones the table has.
     label_names: Optional[list] = None
-    data_splits: Optional[dict] = None  # where each split came from
 
     # The article's hyperparameters.
     batch_size: int = 12
@@ -122,7 +126,6 @@ class TrainConfig:
     warmup_ratio: Optional[float] = None  # the share of the run's steps warming up from 0 (rounded up)
     warmup_steps: Optional[int] = None  # or that many steps
     class_weights: Optional[object] = None  # "balanced" or one weight per class (a comma list on the command line)
-    class_weight_values: Optional[list] = None  # derived while loading the data: the loss's weight of each class
 
     # Lightning behaviours reproduced by hand.
     early_stopping_patience: Optional[int] = None
@@ -246,6 +249,14 @@ class TrainConfig:
             raise ValueError("--min-delta needs --early-stopping-patience")
         self._check_optimisation()
         self._check_own_data()
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        # dataclass(frozen=True) would refuse __post_init__'s own defaults too; this refuses what comes after.
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(f"cannot assign to {name!r}: a config is resolved once; "
+                                                  f"make a changed copy with dataclasses.replace")
+        object.__setattr__(self, name, value)
 
     def _check_optimisation(self) -> None:
         """--weight-decay, the warmup, --class-weights and --label-names (parsed here from their comma lists)."""

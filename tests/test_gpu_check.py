@@ -142,8 +142,8 @@ def test_results_time_validation_without_its_compilation(tiny_args, tmp_path, mo
     monkeypatch.setitem(dynamo_utils.counters["stats"], "unique_graphs",
                         dynamo_utils.counters["stats"]["unique_graphs"])  # restored after the test
 
-    def compiling_once(strategy, max_length, **options):
-        eval_sums = make_eval_sums(strategy, max_length, **options)
+    def compiling_once(precision, max_length, **options):
+        eval_sums = make_eval_sums(precision, max_length, **options)
 
         def first_call_compiles(model, batch):
             start = time.perf_counter()

@@ -5,11 +5,13 @@ order: train.py calls it, in this order,
     shell = CommandLine(argv)
     with shell.exit_status():                          # any failure inside: one line and its status
         cfg, dist = shell.parse()                      # flags, environment, device, process group
-        out_dir, resume_state = shell.claim_run_folder()  # the lock; a new run or a resume
+        cfg, out_dir, resume_state = shell.claim_run_folder()  # the lock; a new run or a resume; cfg resolved
         inputs = load_inputs(cfg, dist)                # model and data
-        shell.start_run(inputs)                        # notes, then config.json: the first write
+        cfg = shell.start_run(inputs)                  # notes, then config.json: the first write
         train(cfg, dist, inputs, out_dir, resume_state)
     return shell.status
+
+The config is a value (config.py): each step that settles more of it returns a new one.
 
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
 stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT (or --requeue-signal)
@@ -31,6 +33,7 @@ errors answer at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import shlex
@@ -90,30 +93,27 @@ def check_device_support(cfg: TrainConfig, dist) -> None:
 
 # ---------------------------------------------------------------------------- the resolved config
 
-def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
-    """Fill in every "decide for me" setting, so config.json says what really ran."""
+def resolve_config(cfg: TrainConfig, dist, out: Path) -> TrainConfig:
+    """The config with every "decide for me" setting filled in, so config.json says what really ran."""
     from fastpt.inputs import data, token_cache
 
     on_cuda = dist.device.type == "cuda"
-    cfg.out = str(out.resolve())
-    cfg.cache_dir = str(token_cache.cache_root(cfg.cache_dir).resolve())
+    paths = {"out": str(out.resolve()), "cache_dir": str(token_cache.cache_root(cfg.cache_dir).resolve())}
     if cfg.data:  # your own data: local paths resolved (a Hub name stays a name)
-        for name in ("data", "val_data", "test_data"):
-            value = getattr(cfg, name)
-            if value and Path(value).exists():
-                setattr(cfg, name, str(Path(value).resolve()))
+        paths.update({name: str(Path(value).resolve()) for name in ("data", "val_data", "test_data")
+                      if (value := getattr(cfg, name)) and Path(value).exists()})
     elif cfg.data_dir or os.environ.get("FASTPT_DATA_DIR"):  # else ./data, found or downloaded while loading
-        cfg.data_dir = str(Path(cfg.data_dir or os.environ["FASTPT_DATA_DIR"]).resolve())
+        paths["data_dir"] = str(Path(cfg.data_dir or os.environ["FASTPT_DATA_DIR"]).resolve())
     if cfg.export_dir:
-        cfg.export_dir = str(Path(cfg.export_dir).resolve())
-    cfg.num_workers, cfg.pin_memory = data.loader_settings(cfg, on_cuda, dist.local_world_size)
-    if cfg.fused_adam is None:
-        cfg.fused_adam = on_cuda
-    if cfg.progress and not sys.stderr.isatty():  # a batch job's log file: bars would redraw into it
-        cfg.progress = False  # a line every --log-every steps instead (bookkeeping.py)
-    if not cfg.progress:
+        paths["export_dir"] = str(Path(cfg.export_dir).resolve())
+    num_workers, pin_memory = data.loader_settings(cfg, on_cuda, dist.local_world_size)
+    # A batch job's log file: bars would redraw into it; a line every --log-every steps instead (bookkeeping.py).
+    progress = cfg.progress and sys.stderr.isatty()
+    if not progress:
         import datasets
         datasets.disable_progress_bars()  # nor the token cache's tokenising and saving bars
+    return dataclasses.replace(cfg, **paths, num_workers=num_workers, pin_memory=pin_memory, progress=progress,
+                               fused_adam=on_cuda if cfg.fused_adam is None else cfg.fused_adam)
 
 
 # ---------------------------------------------------------------------------- notes on what runs
@@ -207,8 +207,9 @@ class CommandLine:
         self.dist = distributed.init(cfg.device, needs_group=cfg.strategy != "single", timeout_s=cfg.dist_timeout)
         return cfg, self.dist
 
-    def claim_run_folder(self) -> tuple[Path, dict | None]:
-        """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet."""
+    def claim_run_folder(self) -> tuple[TrainConfig, Path, dict | None]:
+        """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet.
+        The config, resolved (resolve_config; on another number of processes, resize.adapt's batch)."""
         from fastpt.cli import run_folder
         from fastpt.inputs import token_cache
         from fastpt.cluster import resize
@@ -225,30 +226,32 @@ class CommandLine:
             run_folder.check_export_dir(Path(cfg.export_dir), out, cfg.overwrite)
         self.plan = run_folder.plan_out_dir(cfg, dist, out)
         if self.plan.resume_state:
-            resized = resize.adapt(cfg, self.plan.resume_state, dist.world_size)
+            cfg, resized = resize.adapt(cfg, self.plan.resume_state, dist.world_size)
             if resized:
                 self.notes.append(resized)
                 if cfg.strategy == "deepspeed":
                     check_device_support(cfg, dist)  # a --deepspeed-config must agree with the new batch
         elif cfg.resume == "auto":
             self.notes.append(f"note: no checkpoint in {out} to resume; starting a new run")
-        resolve_config(cfg, dist, out)
-        return self.plan.out, self.plan.resume_state
+        self.cfg = cfg = resolve_config(cfg, dist, out)
+        return cfg, self.plan.out, self.plan.resume_state
 
-    def start_run(self, inputs) -> None:
+    def start_run(self, inputs) -> TrainConfig:
         """A resume's data and weights checked against last.pt's, what differs from what the flags suggest
-        (one line each), then the run folder's first write."""
+        (one line each), then the run folder's first write. The config, with IMDB's folder as loading found it."""
         from fastpt.cli import run_folder
+        from fastpt.loop.build import saved_config
 
         cfg, dist = self.cfg, self.dist
-        if not cfg.data:
-            cfg.data_dir = cfg.data_dir or str(Path("data").resolve())  # where loading found (or put) the data
+        if not cfg.data and not cfg.data_dir:  # where loading found (or put) the data
+            self.cfg = cfg = dataclasses.replace(cfg, data_dir=str(Path("data").resolve()))
         run_folder.check_same_data(self.plan, cfg, inputs)  # a resume on changed data: refused, nothing written
         if dist.is_main:
             for line in self.notes + notes(cfg, dist, inputs):
                 print(line, file=sys.stderr)
         self.started = True
-        run_folder.start_out_dir(self.plan, cfg, dist, run_folder.data_key(inputs))
+        run_folder.start_out_dir(self.plan, saved_config(cfg, inputs), dist, run_folder.data_key(inputs))
+        return cfg
 
     @contextlib.contextmanager
     def exit_status(self):

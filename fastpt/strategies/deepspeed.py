@@ -273,7 +273,8 @@ class DeepSpeedStrategy(Strategy):
         }
 
     def close(self) -> None:
-        self.model.destroy()  # release the engine's hooks and buffers
+        if self.model is not None:  # an engine was built (setup may have failed before)
+            self.model.destroy()  # release the engine's hooks and buffers
         forget_process_groups()
 
 
