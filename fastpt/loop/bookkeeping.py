@@ -12,9 +12,10 @@
   1, 2, 4, ... until --log-every, then every --log-every steps), last.pt every --save-every steps
   and every --save-every-minutes (10 by default, so a kill -9 loses minutes, not the epoch), and a
   graceful stop after SIGTERM / SIGINT (the stopper, cluster/signals.py);
-- `EpochBar`: the epoch's progress bar and its log lines.
-`Bookkeeping` holds them for the loop and asks them in order after each step; it keeps nothing of
-its own and calls nothing back: the loop logs (`log`), and train.py writes last.pt and stops.
+- the epoch's progress bar (tqdm's, from the tracker: rank 0 draws it).
+`Bookkeeping` holds them for the loop and asks them in order after each step; it keeps no count,
+sum or clock of its own and calls nothing back: the loop logs (`log`), and train.py writes last.pt
+and stops.
 
 Saving by time: rank 0's clock decides, and its verdict rides on the stop check's collective (one
 all-reduce of two integers on a gloo group, run at log and save steps under torchrun, at every
@@ -88,16 +89,13 @@ class DeviceSums:
         """`rank_state`: this rank's part of last.pt (`rank_state()`), so a resumed run averages as the first."""
         self.device = device
         rank_state = rank_state or {}
-        self.epoch = self._on_device(rank_state.get("epoch_sums"))  # loss x examples, correct, examples
-        window = rank_state.get("window")
-        self.window_loss = self._on_device(window[0]) if window else None  # the steps' losses since the last log
+        epoch, window = rank_state.get("epoch_sums"), rank_state.get("window")
+        self.epoch = None if epoch is None else epoch.to(device)  # loss x examples, correct, examples
+        self.window_loss = window[0].to(device) if window else None  # the steps' losses since the last log
         self.window_count = window[1] if window else 0
         self.skipped_in_a_row = torch.zeros((), dtype=torch.long, device=device)
         self.first_bad_step = None  # -1, or the first step (from 1) whose loss was not finite
         self.scaler_skips = False  # float16's GradScaler skips inf/NaN steps: only a long run of them fails
-
-    def _on_device(self, t):
-        return None if t is None else t.to(self.device)
 
     def start_epoch(self) -> None:
         if self.epoch is None:
@@ -231,11 +229,9 @@ class DueCheck:
         at_save = at_save or (at_time and not ends_epoch)
         if at_save or stop:
             self.last_save = time.monotonic()
-        if not stop:
-            return Due(log=at_log, save=at_save)
-        return Due(log=at_log, save=True,
-                   stop=f"{self.stopper.signal_name} at step {step}, checkpoint saved; "
-                        f"resume with --resume auto --out {shlex.quote(str(Path(self.out_dir).resolve()))}")
+        why = (f"{self.stopper.signal_name} at step {step}, checkpoint saved; resume with --resume auto "
+               f"--out {shlex.quote(str(Path(self.out_dir).resolve()))}") if stop else ""
+        return Due(log=at_log, save=at_save or stop, stop=why)
 
     def save_by_time_due(self) -> bool:
         """Rank 0's verdict on --save-every-minutes (the other ranks' clocks do not count: poll agrees it)."""
@@ -252,29 +248,6 @@ class DueCheck:
         return StopRequested(due.stop)
 
 
-class EpochBar:
-    """The epoch's progress bar (rank 0, where shown), and the line of each log step where it is not."""
-
-    def __init__(self, tracker):
-        self.tracker, self.bar = tracker, None
-
-    def start(self, desc: str, total: int, done: int) -> None:
-        self.bar = self.tracker.bar(total, desc, initial=done)
-
-    def update(self) -> None:
-        self.bar.update(1)
-
-    def show(self, step: int, loss: float, rates: dict) -> None:
-        self.bar.set_postfix(loss=f"{loss:.4f}", **({"samples/s": f"{rates['samples_per_s']:.1f}"} if rates else {}))
-        if not self.tracker.progress:  # no bar to show it: one line per log step instead
-            self.tracker.print(f"step {step}: loss {loss:.4f}"
-                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else "")
-                               + (f" | MFU {100 * rates['mfu']:.1f}%" if "mfu" in rates else ""))
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 @dataclass
 class Bookkeeping:
     """The parts, for the loop: it asks them through these methods, in the order of a step."""
@@ -282,24 +255,25 @@ class Bookkeeping:
     sums: DeviceSums
     clocks: Clocks
     due: DueCheck
-    bar: EpochBar
-    tracker: object  # TensorBoard's train/ scalars at log steps
+    tracker: object  # the epoch's bar; TensorBoard's train/ scalars at log steps
     strategy: object  # read, never driven: the step's learning rate, whether float16's scaler skipped it
     epochs: int
     world_size: int
+    bar: object = None  # the epoch's progress bar (start_epoch makes it)
 
     def start_epoch(self, batches_left: int) -> None:
         """Before the epoch's first batch (after a resume: the first one left)."""
         self.clocks.start_epoch()
         self.sums.start_epoch()
         done = self.position.batch_in_epoch
-        self.bar.start(f"epoch {self.position.epoch + 1}/{self.epochs}", done + batches_left, done)
+        self.bar = self.tracker.bar(done + batches_left, f"epoch {self.position.epoch + 1}/{self.epochs}",
+                                    initial=done)
 
     def timed_batches(self, loader):
         """The loader's batches, each counted, timed (the wait for data) and shown on the bar."""
         for batch in self.clocks.timed(loader):
             self.position.batch_in_epoch += 1
-            self.bar.update()
+            self.bar.update(1)
             yield batch
 
     def after_step(self, sums: torch.Tensor, micro_batches: int, ends_epoch: bool) -> Due:
@@ -318,10 +292,14 @@ class Bookkeeping:
         loss = self.sums.read_window(self.world_size)
         rates = {k: v * self.world_size if k in metrics.SUMMED_OVER_RANKS else v
                  for k, v in self.clocks.meter.read().items()}  # rank 0's rate x ranks: all ranks run in lockstep
+        step = self.position.global_step
         self.tracker.scalars({"loss": loss, "lr": self.strategy.step_lr, **rates,
-                              "peak_memory_gb": metrics.peak_memory_bytes(self.clocks.device) / 2**30},
-                             self.position.global_step, prefix="train/")
-        self.bar.show(self.position.global_step, loss, rates)
+                              "peak_memory_gb": metrics.peak_memory_bytes(self.clocks.device) / 2**30}, step, "train/")
+        self.bar.set_postfix(loss=f"{loss:.4f}", **({"samples/s": f"{rates['samples_per_s']:.1f}"} if rates else {}))
+        if not self.tracker.progress:  # no bar to show it: one line per log step instead
+            self.tracker.print(f"step {step}: loss {loss:.4f}"
+                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else "")
+                               + (f" | MFU {100 * rates['mfu']:.1f}%" if "mfu" in rates else ""))
 
     def end_epoch(self) -> dict:
         """The epoch's training loss and accuracy over all ranks."""
@@ -329,7 +307,3 @@ class Bookkeeping:
         self.sums.check_finite()
         self.clocks.meter.read()
         return self.sums.read_epoch()
-
-    def progress(self) -> dict:
-        """last.pt's "progress": the position and the clocks."""
-        return {**self.position.state(), **self.clocks.state()}

@@ -35,9 +35,10 @@ import torch
 from fastpt.inputs import columns, data, own_data
 from fastpt.inputs.models import check_max_length, check_model_source, count_parameters, load_model, load_tokenizer
 from fastpt.inputs.token_cache import cache_root, prepare_splits
-from fastpt.loop.bookkeeping import Bookkeeping, Clocks, DeviceSums, DueCheck, EpochBar, Position
+from fastpt.loop.bookkeeping import Bookkeeping, Clocks, DeviceSums, DueCheck, Position
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
 from fastpt.loop.evaluation import make_eval_sums
+from fastpt.loop.loaders import Loaders, build_loaders, needs_token_types
 from fastpt.loop.record import RunRecord
 from fastpt.loop.step import class_weights, make_forward_loss
 from fastpt.cluster import distributed
@@ -134,46 +135,6 @@ def check_model_fits(cfg: TrainConfig, model, tokenizer) -> None:
                              f"after the first separator token as fastpt's batches assume; drop --text-pair-column")
 
 
-def needs_token_types(cfg: TrainConfig, model_config) -> bool:
-    """Whether batches need token_type_ids: sentence pairs on a model with segment embeddings (BERT; not
-    DistilBERT, which has none, nor RoBERTa, which has one)."""
-    return bool(cfg.text_pair_column) and getattr(model_config, "type_vocab_size", 0) > 1
-
-
-@dataclass
-class Loaders:
-    """The training sampler and loader, and one evaluation loader per split (data.py)."""
-    train_sampler: data.TrainBatchSampler
-    train: object
-    validation: object
-    test: object
-    num_workers: int
-    pin_memory: bool
-
-
-def build_loaders(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs) -> Loaders:
-    device, splits = dist.device, inputs.splits
-    pad_id = inputs.tokenizer.pad_token_id or 0
-    sep_id = inputs.tokenizer.sep_token_id if needs_token_types(cfg, inputs.model_config) else None
-    workers, pin = data.loader_settings(cfg, device.type == "cuda", dist.local_world_size)
-    collate = data.make_collator(cfg, pad_id, sep_id)
-    train_sampler = data.TrainBatchSampler(splits["train"], cfg.batch_size, dist.rank, dist.world_size, cfg.seed,
-                                           cfg.bucket, cfg.bucket_multiplier, balance_tokens=cfg.pack)
-    eval_samplers = {name: data.EvalBatchSampler(splits[name], cfg.eval_batch_size, dist.rank, dist.world_size,
-                                                 sort_by_length=cfg.varying_lengths)
-                     for name in ("validation", "test")}
-    if cfg.data_on_device:
-        from fastpt.inputs.device_data import DeviceLoader
-        loaders = {"train": DeviceLoader(splits["train"], train_sampler, collate, device),
-                   **{name: DeviceLoader(splits[name], sampler, collate, device)
-                      for name, sampler in eval_samplers.items()}}
-    else:
-        loaders = {"train": data.make_loader(splits["train"], train_sampler, collate, workers, pin, cfg.seed),
-                   **{name: data.make_loader(splits[name], sampler, collate, workers, pin, cfg.seed)
-                      for name, sampler in eval_samplers.items()}}
-    return Loaders(train_sampler, **loaders, num_workers=workers, pin_memory=pin)
-
-
 @dataclass
 class Parts:
     """What train.py's loop works with, each used directly (no hub object in between)."""
@@ -199,9 +160,8 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     """
     device = dist.device
     backends.configure(cfg, device, cache_root(cfg.cache_dir))
-    resume_step = resume_state["progress"]["global_step"] if resume_state else None
     # purge_step: drop what a killed run logged after its checkpoint (logged up to and including it).
-    purge_step = None if resume_step is None else resume_step + 1
+    purge_step = resume_state["progress"]["global_step"] + 1 if resume_state else None
     tracker = Tracker(out_dir, cfg.progress, cfg.tensorboard, purge_step=purge_step) if dist.is_main else NullTracker()
     splits = inputs.splits
     tracker.print(f"data: {inputs.cache_path} | train {len(splits['train'])}, "
@@ -233,8 +193,8 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
     progress = resume_state["progress"] if resume_state else None
     position = Position.resumed(progress) if progress else Position()
     bookkeeping = Bookkeeping(position, DeviceSums(device, resume_state and resume_state["per_rank"][dist.rank]),
-                              Clocks(device, meter, progress), DueCheck(cfg, dist, stopper, out_dir), EpochBar(tracker),
-                              tracker, strategy, cfg.epochs, dist.world_size)
+                              Clocks(device, meter, progress), DueCheck(cfg, dist, stopper, out_dir), tracker, strategy,
+                              cfg.epochs, dist.world_size)
     record = RunRecord(BestTracker(cfg.monitor_mode),
                        EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta),
                        epoch_offset=progress.get("epoch_offset", 0) if progress else 0,

@@ -57,7 +57,7 @@ def save_last(ckpt_dir: Path, config: dict, dist, strategy, bookkeeping: Bookkee
             "config": config,
             "world_size": dist.world_size,
             "training": training,
-            "progress": {**bookkeeping.progress(), "val_time_s": record.val_time_s,
+            "progress": {**bookkeeping.position.state(), **bookkeeping.clocks.state(), "val_time_s": record.val_time_s,
                          "val_compile_s": record.val_compile_s, "examples_in_epoch": examples_in_epoch},
             "batch_size_flag": record.batch_size_flag,
             # --pack-attention auto's kernel: a resumed run keeps it (loop/build.py:pack_attention_choice)
