@@ -8,7 +8,7 @@ afterwards raises `dataclasses.FrozenInstanceError`. A config is a value, passed
 layer that reads it.
 
 A real change later is a new value, `dataclasses.replace(cfg, ...)` (checked again), passed on:
-`cli/shell.py:resolve_config` fills in every "decide for me" setting (absolute paths, loader
+`cli/preflight.py:resolve_config` fills in every "decide for me" setting (absolute paths, loader
 workers and pinned memory, fused Adam on CUDA), a resume on another number of processes gets its
 per-process batch (`cluster/resize.py:adapt`), and the IMDB folder that loading found is recorded.
 What the data decides is not a setting: `loop/build.py:load_inputs` puts the label names, where

@@ -51,9 +51,9 @@ class Strategy:
 
     # ------------------------------------------------------------------ setup
     def setup(self, model: torch.nn.Module, training_steps: int | None = None) -> None:
-        """The one order: to device -> wrap (compile the layers in place; DDP compiles, then wraps; FSDP
-        compiles, then shards each layer) -> optimizer -> learning-rate schedule (over `training_steps`
-        optimiser steps).
+        """The one order, which train.py calls: to device -> wrap (compile the layers in place; DDP
+        compiles, then wraps: ddp.py's apply_ddp; FSDP compiles, then shards each layer: fsdp.py's
+        apply_fsdp) -> optimizer -> learning-rate schedule (over `training_steps` optimiser steps).
 
         The optimizer is built last, from the parameters as they finally are (FSDP replaces
         them with sharded DTensors).
