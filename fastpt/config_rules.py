@@ -88,10 +88,7 @@ def check(cfg) -> None:
                 "eval_batch_size", "dist_timeout"]
     optional_positive = ["train_size", "val_size", "test_size", "max_steps", "save_every",
                          "early_stopping_patience", "pack_multiple"]
-    for name in positive:
-        if getattr(cfg, name) <= 0:
-            raise ValueError(f"--{flag_name(name)} must be positive, got {getattr(cfg, name)}")
-    for name in optional_positive:
+    for name in positive + optional_positive:
         value = getattr(cfg, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{flag_name(name)} must be positive, got {value}")
