@@ -18,48 +18,59 @@ from fastpt.cli.shell import CommandLine, exit_process
 def train(cfg, dist, inputs, out_dir, resume_state=None) -> dict:
     """One run: what Lightning's `Trainer.fit` and `Trainer.test` do, written out. Returns results.json."""
     # torch and transformers load here, after the flags: --help answers at once
+    import torch
+
     from fastpt.cli import outputs
+    from fastpt.loop import checkpoints
     from fastpt.loop.build import build
     from fastpt.loop.evaluation import evaluate
     from fastpt.loop.step import max_steps_reached, train_epoch
     from fastpt.strategies import build_strategy
 
     strategy = build_strategy(cfg, dist)  # one device, DDP, FSDP or DeepSpeed (fastpt/strategies/)
-    # Build, in one fixed order: loaders -> model -> strategy.setup (to device, compile, DDP / FSDP /
-    # DeepSpeed, optimizer) -> forward_loss, eval_sums -> bookkeeping (fastpt/loop/build.py).
+    # Built in one fixed order: loaders -> the model (packed) -> forward_loss, eval_sums -> bookkeeping (loop/build.py)
     with build(cfg, dist, inputs, strategy, out_dir, resume_state) as parts:
         loaders, bookkeeping, record, tracker = parts.loaders, parts.bookkeeping, parts.record, parts.tracker
+        position, clocks = bookkeeping.position, bookkeeping.clocks
+        # to device -> compile -> DDP / FSDP / DeepSpeed engine -> optimizer, schedule (strategies/base.py)
+        strategy.setup(parts.model, training_steps=parts.training_steps)
+        # --compile-scope whole: forward, loss and metric sums compiled as one graph (speedups/compile.py)
+        forward_loss, eval_sums = strategy.compile_step(parts.forward_loss), strategy.compile_step(parts.eval_sums)
+        torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
         ckpt_dir = out_dir / "checkpoints"
         if resume_state:
-            outputs.restore(resume_state, ckpt_dir, dist, strategy, record)  # last.pt: weights, optimiser, RNG
-        while (bookkeeping.epoch < cfg.epochs and not record.early_stopping.stopped
-               and not max_steps_reached(bookkeeping.global_step, cfg.max_steps)):
+            checkpoints.restore(resume_state, ckpt_dir, dist, strategy, record)  # last.pt: weights, optimiser, RNG
+        parts.stopper.install()  # training starts: a signal now ends the step, saves last.pt and stops
+        while (position.epoch < cfg.epochs and not record.early_stopping.stopped
+               and not max_steps_reached(position.global_step, cfg.max_steps)):
             # This epoch's shuffle (after a resume: what is left of it); its clock, sums and progress bar.
-            loaders.train_sampler.set_epoch(bookkeeping.epoch, bookkeeping.batch_in_epoch, record.epoch_offset)
+            loaders.train_sampler.set_epoch(position.epoch, position.batch_in_epoch, record.epoch_offset)
             bookkeeping.start_epoch(len(loaders.train))
-            for due in train_epoch(strategy, loaders.train, bookkeeping, parts.forward_loss, cfg.grad_accum,
+            for due in train_epoch(strategy, loaders.train, bookkeeping, forward_loss, cfg.grad_accum,
                                    cfg.max_steps):  # yields where last.pt is due: --save-every, or a signal
-                outputs.save_last(ckpt_dir, cfg, dist, strategy, bookkeeping, record, loaders.train_sampler)
+                checkpoints.save_last(ckpt_dir, parts.config, dist, strategy, bookkeeping, record,
+                                      loaders.train_sampler)
                 if due.stop:  # status 3, the message saying how to resume; or SLURM requeues the job
-                    raise bookkeeping.stopped(due)
+                    raise bookkeeping.due.stopped(due, position.global_step)
             train_metrics = bookkeeping.end_epoch()  # the epoch's loss and accuracy over all ranks
             # No gradients, larger batches, every rank its share; a NaN loss stops the run (no best.pt from it).
-            val = evaluate(strategy, loaders.validation, parts.eval_sums, tracker.bar(len(loaders.validation),
-                           "validation"), bookkeeping.compile_clock, len(inputs.label_names))
-            record.add_validation(val, bookkeeping)
+            val = evaluate(strategy, loaders.validation, eval_sums, tracker.bar(len(loaders.validation),
+                           "validation"), clocks.compile_clock, len(inputs.label_names))
+            record.add_validation(val, position)
             monitored = val[cfg.monitor.removeprefix("val_")]  # --monitor val_acc (default), val_loss, val_macro_f1
-            improved = record.best.update(monitored, bookkeeping.epoch + 1)  # strictly better than every epoch before
+            improved = record.best.update(monitored, position.epoch + 1)  # strictly better than every epoch before
             if improved:
-                outputs.save_best(ckpt_dir, cfg, dist, strategy, bookkeeping.epoch + 1, bookkeeping.global_step,
-                                  monitored)
+                checkpoints.save_best(ckpt_dir, parts.config, dist, strategy, position.epoch + 1, position.global_step,
+                                      monitored)
             record.early_stopping.update(monitored)  # --early-stopping-patience: Lightning's rule, exactly
-            record.end_epoch(train_metrics, val, improved, bookkeeping, tracker)  # the epoch's line, TensorBoard
+            record.end_epoch(train_metrics, val, improved, position, clocks, tracker)  # the epoch's line, TensorBoard
             if cfg.save_every is not None:
-                outputs.save_last(ckpt_dir, cfg, dist, strategy, bookkeeping, record, loaders.train_sampler)
+                checkpoints.save_last(ckpt_dir, parts.config, dist, strategy, bookkeeping, record,
+                                      loaders.train_sampler)
         # The weights to test: best.pt's (--test-on best), sent to every rank.
-        record.tested_on = outputs.load_best(ckpt_dir, cfg.test_on, dist, strategy)
-        test = evaluate(strategy, loaders.test, parts.eval_sums, tracker.bar(len(loaders.test), "test"),
-                        bookkeeping.compile_clock, len(inputs.label_names), per_example=True)
+        record.tested_on = checkpoints.load_best(ckpt_dir, cfg.test_on, dist, strategy)
+        test = evaluate(strategy, loaders.test, eval_sums, tracker.bar(len(loaders.test), "test"),
+                        clocks.compile_clock, len(inputs.label_names), per_example=True)
         results = outputs.write_results(tracker, cfg, dist, strategy, bookkeeping, record, inputs, loaders, test)
         # Each test example once, in the split's order: its text, gold and predicted label, probabilities.
         outputs.write_predictions(out_dir, cfg, dist, inputs, test, tracker)
@@ -74,9 +85,10 @@ def main(argv=None) -> int:
     with shell.exit_status():  # whatever stops the command below: one line on stderr, and its status
         cfg, dist = shell.parse()  # flags, checks, the device; under torchrun, the process group
         from fastpt.loop.build import load_inputs
-        out_dir, resume_state = shell.claim_run_folder()  # its lock; a new run, or what last.pt resumes
+        # Its lock; a new run, or what last.pt resumes. The config resolved: absolute paths, a resize's batch.
+        cfg, out_dir, resume_state = shell.claim_run_folder()
         inputs = load_inputs(cfg, dist)  # tokenizer, model, tokenised splits: bad input stops here
-        shell.start_run(inputs)  # the run folder's first write (config.json)
+        cfg = shell.start_run(inputs)  # the run folder's first write (config.json); the IMDB folder found
         train(cfg, dist, inputs, out_dir, resume_state)
     return shell.status
 

@@ -6,11 +6,13 @@ Read these, the lessons:
     loop/        the training loop and what it is made of
         step.py            the training step and the epoch loop, as the textbook writes them
         evaluation.py      no_grad evaluation, larger batches, split across ranks
-        inference.py       predictions on new texts: inference_mode, length-sorted large batches
+        checkpoints.py     best.pt and last.pt: saved atomically, the best weights tested, a run resumed
         early_stopping.py  Lightning's EarlyStopping and best-checkpoint rules, exactly
-        build.py           the build step: inputs, loaders, model, strategy.setup, bookkeeping, as plain parts
+        inference.py       predictions on new texts: inference_mode, length-sorted large batches
+        build.py           the build step: inputs (what the data decides too), the model, bookkeeping, as plain parts
+        loaders.py         the run's DataLoaders: each rank its share of every global batch
         record.py          the run's record: history, best epoch, early stopping, validation time
-        bookkeeping.py     counters, device-side sums, clocks and the epoch's console line
+        bookkeeping.py     around the step, one part per concern: position, device-side sums, clocks, what is due
     speedups/    one module per single-device technique, each with what / why faster / cost / Lightning flag
         amp.py             mixed precision (autocast, GradScaler)
         compile.py         torch.compile: its two scopes (each layer, the whole step), dynamic shapes,
@@ -19,7 +21,8 @@ Read these, the lessons:
         packed_attention.py  attention inside each review: varlen, a per-review loop, a block mask
         bucketing.py       length-grouped batches
         backends.py        TF32, deterministic kernels, a compiled run's settings set and undone
-    strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first)
+    strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first);
+                 train.py calls strategy.setup: to device -> compile -> apply_ddp / apply_fsdp / the engine
         optimizer.py       Adam or AdamW (Trainer's no-decay groups), the learning-rate schedule and warmup
         deepspeed.py       the ZeRO engine; deepspeed_config.py its JSON from the flags,
                            deepspeed_checkpoint.py its checkpoint files loaded safely
@@ -34,7 +37,8 @@ Read these, the lessons:
         models.py          the models and tokenizers, online or offline
 
 Skip these on a first read, the machinery a real run needs:
-    config.py    every setting of a run: one typed dataclass, validated once; read by every layer
+    config.py    every setting of a run: one typed dataclass, validated once, frozen; read by every layer
+                 (config_rules.py: the choices, the switches settings need, what a resume compares, the checks)
     errors.py    the run's exceptions, each with its exit status
     files/       what lands on disk: checkpoints (atomic, weights_only, RNG states) and
                  shared_cache (a cache folder shared by runs and users: lock, atomic publish, digests)
@@ -43,10 +47,12 @@ Skip these on a first read, the machinery a real run needs:
                  number of processes)
     monitoring/  what a run reports: metrics (throughput, MFU, memory), peak (the device's measured
                  FLOP/s), tracking (console, TensorBoard)
-    cli/         the command line: args (flags), shell (checks, exit statuses), run_folder (lock, resume plan),
-                 outputs (what a run writes in its folder: best.pt, last.pt, results.json, predictions.csv,
-                 the export), predictions (that file's columns), predict (the fastpt-predict command)
+    cli/         the command line: args (flags), shell (the command's steps, exit statuses), preflight (checks,
+                 the resolved config, notes), run_folder (lock, resume plan), outputs (what a run writes once
+                 it has tested: results.json, predictions.csv, the export), predictions (that file's
+                 columns), predict (the fastpt-predict command)
 
 Imports go one way, down this order: cli/ -> loop/ -> strategies/ -> inputs/ -> speedups/ -> monitoring/
--> cluster/ -> files/ -> config.py, errors.py; no folder imports one above it (tests/test_layout.py holds that).
+-> cluster/ -> files/ -> config.py (on config_rules.py), errors.py; no folder imports one above it
+(tests/test_layout.py holds that).
 """

@@ -177,13 +177,13 @@ def test_steady_state_steps_read_nothing_back(tiny_args, tmp_path, monkeypatch):
     reads = Recorder()
 
     def after_step(self, *args, **kwargs):
-        if self.global_step == 15:  # step 16 is a log step: stop watching before it is accounted
+        if self.position.global_step == 15:  # step 16 is a log step: stop watching before it is accounted
             reads.__exit__(None, None, None)
         return original(self, *args, **kwargs)
 
     def log(self):
         original_log(self)  # the loop logs after after_step answers: step 8 is a log step
-        if self.global_step == 8:
+        if self.position.global_step == 8:
             reads.__enter__()
 
     monkeypatch.setattr(Bookkeeping, "after_step", after_step)

@@ -284,7 +284,7 @@ def test_checkpoints_from_before_these_settings_resume_as_the_articles_run(tmp_p
 # ---------------------------------------------------------------------------- class weights
 
 class Eager:
-    """What make_forward_loss asks of a strategy: no autocast, and compile_step (here: none, or a cheap full graph)."""
+    """What train.py's step functions ask of a strategy: no autocast, and compile_step (none, or a cheap full graph)."""
 
     def __init__(self, compile_step=lambda fn: fn):
         from fastpt.speedups.amp import MixedPrecision
@@ -308,12 +308,12 @@ def test_weighted_loss_is_torchs_on_padded_and_packed_batches():
     expected = F.cross_entropy(logits, padded["labels"], weight=weights)
     assert not torch.allclose(F.cross_entropy(logits, padded["labels"]), expected)  # the weights change it
 
-    forward_loss = make_forward_loss(Eager(), MAX_LENGTH, class_weights=weights)
+    forward_loss = make_forward_loss(Eager().precision, MAX_LENGTH, class_weights=weights)
     torch.testing.assert_close(forward_loss(model, padded)[0], expected)
     torch.testing.assert_close(forward_loss(packed_model, packed)[0], expected, rtol=1e-5, atol=1e-6)
     # evaluation: the same weighted mean, from sums that add up over batches and ranks
     with torch.no_grad():
-        sums, _, _ = make_eval_sums(Eager(), MAX_LENGTH, class_weights=weights)(model, padded)
+        sums, _, _ = make_eval_sums(Eager().precision, MAX_LENGTH, class_weights=weights)(model, padded)
     torch.testing.assert_close((sums[0] / sums[3]).float(), expected.detach())
     assert sums[2] == len(items)
 
@@ -341,10 +341,11 @@ def test_the_weighted_step_and_evaluation_compile_as_one_graph():
     full_graph = Eager(lambda fn: torch.compile(fn, backend="eager", fullgraph=True))
     expected = F.cross_entropy(model(batch["input_ids"], batch["attention_mask"]).logits, batch["labels"],
                                weight=weights)
-    torch.testing.assert_close(make_forward_loss(full_graph, MAX_LENGTH, class_weights=weights)(model, batch)[0],
-                               expected)
+    forward_loss = full_graph.compile_step(make_forward_loss(full_graph.precision, MAX_LENGTH, class_weights=weights))
+    torch.testing.assert_close(forward_loss(model, batch)[0], expected)
+    eval_sums = full_graph.compile_step(make_eval_sums(full_graph.precision, MAX_LENGTH, class_weights=weights))
     with torch.no_grad():
-        sums, _, _ = make_eval_sums(full_graph, MAX_LENGTH, class_weights=weights)(model, batch)
+        sums, _, _ = eval_sums(model, batch)
     torch.testing.assert_close((sums[0] / sums[3]).float(), expected.detach())
 
 

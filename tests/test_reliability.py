@@ -181,8 +181,7 @@ def _poll_on_two_ranks(rank: int, init: str, answers) -> None:
 
     import torch.distributed as dist
 
-    from fastpt.loop.bookkeeping import Bookkeeping
-    from fastpt.config import TrainConfig
+    from fastpt.loop.bookkeeping import DueCheck
     from fastpt.cluster.distributed import DistInfo
     from fastpt.cluster.signals import GracefulStop
 
@@ -191,10 +190,10 @@ def _poll_on_two_ranks(rank: int, init: str, answers) -> None:
     seen = []
     for minutes_ago, signalled in ((2, False), (0, False), (2, True), (0, True)):
         # every rank's clock says the interval (1 minute) has passed, or none has; only rank 0's counts
-        clock = SimpleNamespace(cfg=TrainConfig(save_every_minutes=1), dist=DistInfo(rank, rank, 2, None),
+        clock = SimpleNamespace(save_every_minutes=1, dist=DistInfo(rank, rank, 2, None),
                                 last_save=time.monotonic() - minutes_ago * 60)
         stopper.signum = signal.SIGTERM if signalled and rank == 1 else None  # a signal on rank 1 only
-        seen.append((Bookkeeping.save_by_time_due(clock), *stopper.poll(Bookkeeping.save_by_time_due(clock))))
+        seen.append((DueCheck.save_by_time_due(clock), *stopper.poll(DueCheck.save_by_time_due(clock))))
     stopper.uninstall()
     dist.destroy_process_group()
     answers.put((rank, seen))

@@ -95,7 +95,7 @@ def test_a_resumed_epoch_continues_with_exactly_the_rest(world_size):
     before = global_batches(split, 4, 2)[:5]
     state = fake_state(world_size=2, batch_size=4, batch_in_epoch=5)
     cfg = TrainConfig(batch_size=4, strategy="ddp")
-    note = resize.adapt(cfg, state, world_size)
+    cfg, note = resize.adapt(cfg, state, world_size)
     progress = state["progress"]
     after = global_batches(split, cfg.batch_size, world_size, start_batch=progress["batch_in_epoch"],
                            offset=progress["epoch_offset"])
@@ -141,8 +141,8 @@ def test_zero3_and_same_size_resumes():
     state = fake_state(world_size=2, batch_size=4, batch_in_epoch=5)
     with pytest.raises(CheckpointError, match="resume it with 2"):
         resize.adapt(TrainConfig(batch_size=4, strategy="deepspeed", zero_stage=3), state, 1)
-    cfg = TrainConfig(batch_size=4, strategy="ddp")
-    assert resize.adapt(cfg, fake_state(2, 8, 5), 2) is None and cfg.batch_size == 8  # same size: the saved batch
+    cfg, note = resize.adapt(TrainConfig(batch_size=4, strategy="ddp"), fake_state(2, 8, 5), 2)
+    assert note is None and cfg.batch_size == 8  # same size: the saved batch
     assert resize.accepts_batch_size(4, 8, 4, 2, 1) and resize.accepts_batch_size(16, 8, 4, 2, 1)
     assert not resize.accepts_batch_size(5, 8, 4, 2, 1)
 

@@ -161,11 +161,11 @@ def test_usr1_stops_after_the_step_and_requeues_under_slurm(tiny_args, tmp_path,
 
 
 def test_usr1_after_the_last_step_finishes_the_run_without_requeue(tiny_args, tmp_path, monkeypatch, capfd):
-    from fastpt.cli import outputs
+    from fastpt.loop import checkpoints
     from train import main
 
     _clear_launch_variables(monkeypatch)
-    asked, original = [], outputs.load_best
+    asked, original = [], checkpoints.load_best
     monkeypatch.setattr(slurm, "requeue", lambda job: asked.append(job))
     monkeypatch.setenv("SLURM_JOB_ID", "123")
 
@@ -173,7 +173,7 @@ def test_usr1_after_the_last_step_finishes_the_run_without_requeue(tiny_args, tm
         os.kill(os.getpid(), signal.SIGUSR1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(outputs, "load_best", load_best)
+    monkeypatch.setattr(checkpoints, "load_best", load_best)
     out = tmp_path / "run"
     assert main(tiny_args(out=out)) == 0  # a finished run: nothing to continue
     assert asked == [] and (out / "results.json").exists()

@@ -69,7 +69,8 @@ def forward_logits(strategy, batch) -> torch.Tensor:
 
 
 def train_loss(strategy, batch) -> torch.Tensor:
-    loss, _ = make_forward_loss(strategy, max_length=512)(strategy.model, strategy.to_device(batch))
+    forward_loss = strategy.compile_step(make_forward_loss(strategy.precision, max_length=512))
+    loss, _ = forward_loss(strategy.model, strategy.to_device(batch))
     return loss
 
 
@@ -152,7 +153,7 @@ def check_compiled_step_matches_eager(strategy, eager):
     # One device: the step function (whole) or each layer in place (layers) is compiled; the model stays itself.
     assert strategy.model is strategy.module
     graphs = metrics.compiled_graph_count()
-    forward_loss = make_forward_loss(strategy, max_length=512)
+    forward_loss = strategy.compile_step(make_forward_loss(strategy.precision, max_length=512))  # as train.py
     # Dropout on: on a CPU the compiled graph draws eager's masks (backends.configure), from the same seed.
     strategy.train(True)
     eager.train()

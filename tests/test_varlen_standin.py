@@ -144,7 +144,7 @@ def test_the_standin_is_exact_inside_sequences_leaves_the_rest_unwritten_and_is_
 # --------------------------------------------------------------------------- one packed training step
 
 class CpuStep:
-    """The two things `make_forward_loss` asks of a strategy: autocast (or none) and compiling.
+    """The two things train.py's step function asks of a strategy: autocast (or none) and compiling.
 
     Compiled runs use the "aot_eager" backend, as tests/test_packing.py does: it traces forward and
     backward (the custom operators through their fake implementations) exactly as Inductor would
@@ -186,7 +186,8 @@ def packed_and_padded_steps(kind: str, dtype, compiled: bool):
     reference = tiny_model(kind).train()  # dropout is 0 in the tiny models: train mode changes nothing else
     packed = PackedClassifier(copy.deepcopy(reference), "varlen").train()
     strategy = CpuStep(dtype, compiled)
-    packed_step, padded_step = make_forward_loss(strategy, MAX_LENGTH), make_forward_loss(CpuStep(dtype), MAX_LENGTH)
+    packed_step = strategy.compile_step(make_forward_loss(strategy.precision, MAX_LENGTH))
+    padded_step = make_forward_loss(CpuStep(dtype).precision, MAX_LENGTH)
     results = []
     for lengths in LENGTHS.values():
         items = make_items(lengths)

@@ -479,9 +479,9 @@ def check_same_data(plan: OutPlan, cfg: TrainConfig, inputs) -> None:
     if not state:
         return
     saved_labels = state["config"].get("label_names")
-    if saved_labels is not None and list(saved_labels) != list(cfg.label_names):
+    if saved_labels is not None and list(saved_labels) != list(inputs.label_names):
         raise CheckpointError(f"{where}: it was trained on the labels {saved_labels}, now they are "
-                              f"{cfg.label_names} (the data's, or --label-names); resume with the same, or choose "
+                              f"{inputs.label_names} (the data's, or --label-names); resume with the same, or choose "
                               f"another --out")
     weights = state["training"].get("model") if isinstance(state["training"], dict) else None
     if weights is None:
@@ -499,7 +499,7 @@ def check_same_data(plan: OutPlan, cfg: TrainConfig, inputs) -> None:
                                   f"(a last.pt of another model or data); choose another --out")
 
 
-def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist, data_key: str | None = None) -> None:
+def start_out_dir(plan: OutPlan, config: dict, dist, data_key: str | None = None) -> None:
     """The first write: the marker, then clear the replaced run's files (rank 0), then config.json.
 
     Only what `removable` listed is removed: a file that appeared since stays (its folder too).
@@ -523,6 +523,6 @@ def start_out_dir(plan: OutPlan, cfg: TrainConfig, dist, data_key: str | None = 
                     pass  # holds something written since it was checked: kept
             else:
                 path.unlink(missing_ok=True)
-        write_json_atomic(plan.out / "config.json", {**cfg.to_dict(), "world_size": dist.world_size,
+        write_json_atomic(plan.out / "config.json", {**config, "world_size": dist.world_size,
                                                      "data_key": data_key})
     distributed.barrier()

@@ -5,11 +5,13 @@ order: train.py calls it, in this order,
     shell = CommandLine(argv)
     with shell.exit_status():                          # any failure inside: one line and its status
         cfg, dist = shell.parse()                      # flags, environment, device, process group
-        out_dir, resume_state = shell.claim_run_folder()  # the lock; a new run or a resume
+        cfg, out_dir, resume_state = shell.claim_run_folder()  # the lock; a new run or a resume; cfg resolved
         inputs = load_inputs(cfg, dist)                # model and data
-        shell.start_run(inputs)                        # notes, then config.json: the first write
+        cfg = shell.start_run(inputs)                  # notes, then config.json: the first write
         train(cfg, dist, inputs, out_dir, resume_state)
     return shell.status
+
+The config is a value (config.py): each step that settles more of it returns a new one.
 
 Exit status: 0 done (or nothing to do: the run is already finished); 2 bad input (one line on
 stderr, before any work, nothing written); 3 stopped by SIGTERM/SIGINT/SIGHUP (or --requeue-signal)
@@ -23,6 +25,7 @@ same status and only rank 0 prints, except that each rank that lost contact with
 The order matters for "nothing written on bad input": every check that can fail on what the
 user passed (flags, environment, output places, the run folder, the resume checkpoint, the
 model, the data) runs before `start_run` creates, clears or writes the run folder's files.
+The checks, the resolved config and the notes are preflight.py's.
 
 Imports of torch and transformers wait until the command line is parsed: `--help` and flag
 errors answer at once.
@@ -31,7 +34,7 @@ errors answer at once.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import dataclasses
 import os
 import shlex
 import shutil
@@ -41,7 +44,10 @@ import time
 from pathlib import Path
 
 from fastpt.cli.args import parse_args
-from fastpt.cli.run_folder import RunFinished, run_folder_of
+# cpu_has_native_bfloat16: scripts/bench_predict.py reads it from here
+from fastpt.cli.preflight import (check_device_support, check_environment, cpu_has_native_bfloat16,  # noqa: F401
+                                  notes, resolve_config)
+from fastpt.cli.run_folder import RunFinished
 from fastpt.config import TrainConfig
 from fastpt.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
                                      Requeued, StopRequested, one_line)
@@ -52,117 +58,6 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for a command stopped by Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM, likewise for a `kill` before training started
-
-
-# ---------------------------------------------------------------------------- checks before any work
-
-def check_environment(cfg: TrainConfig) -> None:
-    """Checks that need no data and no process group; ValueError on failure."""
-    if cfg.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise ValueError("--deepspeed needs the deepspeed package: pip install '.[deepspeed]' "
-                         "(or pip install deepspeed)")
-    if cfg.compile:
-        from fastpt.speedups.compile import check_compile_supported
-        check_compile_supported()
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # must be set before cuBLAS starts
-    if cfg.resume == "auto" and not cfg.out:
-        raise ValueError("--resume auto needs --out: the run folder to continue")
-    if cfg.resume not in (None, "auto"):
-        # Under torchrun rank 0 alone looks for it (plan_out_dir): another node may not see the file.
-        if "RANK" not in os.environ and not Path(cfg.resume).is_file():
-            raise ValueError(f"--resume {cfg.resume}: no such checkpoint file")
-        if cfg.out and Path(cfg.out).resolve() != run_folder_of(Path(cfg.resume)):
-            raise ValueError(f"--resume {cfg.resume} continues in its own run folder "
-                             f"{run_folder_of(Path(cfg.resume))}, not --out {cfg.out}; drop --out")
-
-
-def check_device_support(cfg: TrainConfig, dist) -> None:
-    """Checks that need the device: precision support, the DeepSpeed config."""
-    if cfg.amp:
-        from fastpt.speedups.amp import check_dtype_supported
-        check_dtype_supported(cfg.amp_dtype, dist.device)
-    if cfg.strategy == "deepspeed":
-        from fastpt.strategies.deepspeed_config import check_supported, deepspeed_config
-        check_supported(cfg, dist.device)
-        deepspeed_config(cfg, dist.world_size)  # reads and checks --deepspeed-config
-
-
-# ---------------------------------------------------------------------------- the resolved config
-
-def resolve_config(cfg: TrainConfig, dist, out: Path) -> None:
-    """Fill in every "decide for me" setting, so config.json says what really ran."""
-    from fastpt.inputs import data, token_cache
-
-    on_cuda = dist.device.type == "cuda"
-    cfg.out = str(out.resolve())
-    cfg.cache_dir = str(token_cache.cache_root(cfg.cache_dir).resolve())
-    if cfg.data:  # your own data: local paths resolved (a Hub name stays a name)
-        for name in ("data", "val_data", "test_data"):
-            value = getattr(cfg, name)
-            if value and Path(value).exists():
-                setattr(cfg, name, str(Path(value).resolve()))
-    elif cfg.data_dir or os.environ.get("FASTPT_DATA_DIR"):  # else ./data, found or downloaded while loading
-        cfg.data_dir = str(Path(cfg.data_dir or os.environ["FASTPT_DATA_DIR"]).resolve())
-    if cfg.export_dir:
-        cfg.export_dir = str(Path(cfg.export_dir).resolve())
-    cfg.num_workers, cfg.pin_memory = data.loader_settings(cfg, on_cuda, dist.local_world_size)
-    if cfg.fused_adam is None:
-        cfg.fused_adam = on_cuda
-    if cfg.progress and not sys.stderr.isatty():  # a batch job's log file: bars would redraw into it
-        cfg.progress = False  # a line every --log-every steps instead (bookkeeping.py)
-    if not cfg.progress:
-        import datasets
-        datasets.disable_progress_bars()  # nor the token cache's tokenising and saving bars
-
-
-# ---------------------------------------------------------------------------- notes on what runs
-
-def notes(cfg: TrainConfig, dist, inputs) -> list[str]:
-    """One line each for what differs from what the flags might suggest."""
-    from fastpt.inputs import imdb, own_data, token_cache
-
-    lines = [f"note: {line}" for line in own_data.reading_notes(inputs.cache_path)] if cfg.data else []
-    difference = None if cfg.data else imdb.differs_from_article(token_cache.split_keys(inputs.cache_path))
-    if difference:
-        lines.append(f"note: the data in {cfg.data_dir} holds {difference}")
-    if cfg.strategy != "single" and dist.world_size == 1:
-        lines.append(f"note: --{cfg.strategy} in a single process runs as a one-rank job; "
-                     f"launch with torchrun --nproc_per_node=N for N processes")
-    for flag, split in (("train-size", "train"), ("val-size", "validation"), ("test-size", "test")):
-        asked, used = getattr(cfg, flag.replace("-", "_")), len(inputs.splits[split])
-        if asked is not None and asked > used:
-            lines.append(f"note: --{flag} {asked} is more than the {split} split has; using all {used}")
-    # Each epoch drops the last, short batch of its shuffle (the article's DataLoader does too): worth a
-    # line once it is a noticeable share of the reviews (the article's run leaves out 8 of 35,000).
-    reviews, used = len(inputs.splits["train"]), inputs.train_examples_used(cfg, dist.world_size)
-    if reviews - used >= 0.01 * reviews:
-        lines.append(f"note: each epoch trains on {used} of the {reviews} training "
-                     f"{'examples' if cfg.data else 'reviews'}: whole batches of "
-                     f"{cfg.batch_size}{f' x {dist.world_size} processes' if dist.world_size > 1 else ''} "
-                     f"only, the rest of each epoch's shuffle is left out")
-    batches = used // (cfg.batch_size * dist.world_size)  # per process
-    if cfg.grad_accum > batches:
-        lines.append(f"note: --grad-accum {cfg.grad_accum}, but an epoch has {batches} batch"
-                     f"{'' if batches == 1 else 'es'}{' per process' if dist.world_size > 1 else ''}: "
-                     f"each epoch makes one optimiser step, over {batches}")
-    from fastpt.strategies.optimizer import has_schedule, total_steps, warmup_steps
-    steps = total_steps(cfg, batches)
-    if has_schedule(cfg) and warmup_steps(cfg, steps) >= steps:
-        lines.append(f"note: the warmup takes {warmup_steps(cfg, steps)} optimiser steps and the run makes {steps}: "
-                     f"the learning rate never reaches --lr {cfg.lr:g}")
-    if cfg.amp and cfg.amp_dtype == "bfloat16" and dist.device.type == "cpu" and not cpu_has_native_bfloat16():
-        lines.append("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX): --amp-dtype bfloat16 "
-                     "is emulated here and slower than float32")
-    return lines
-
-
-def cpu_has_native_bfloat16() -> bool:
-    import torch
-
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return False
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -207,8 +102,9 @@ class CommandLine:
         self.dist = distributed.init(cfg.device, needs_group=cfg.strategy != "single", timeout_s=cfg.dist_timeout)
         return cfg, self.dist
 
-    def claim_run_folder(self) -> tuple[Path, dict | None]:
-        """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet."""
+    def claim_run_folder(self) -> tuple[TrainConfig, Path, dict | None]:
+        """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet.
+        The config, resolved (resolve_config; on another number of processes, resize.adapt's batch)."""
         from fastpt.cli import run_folder
         from fastpt.inputs import token_cache
         from fastpt.cluster import resize
@@ -225,30 +121,32 @@ class CommandLine:
             run_folder.check_export_dir(Path(cfg.export_dir), out, cfg.overwrite)
         self.plan = run_folder.plan_out_dir(cfg, dist, out)
         if self.plan.resume_state:
-            resized = resize.adapt(cfg, self.plan.resume_state, dist.world_size)
+            cfg, resized = resize.adapt(cfg, self.plan.resume_state, dist.world_size)
             if resized:
                 self.notes.append(resized)
                 if cfg.strategy == "deepspeed":
                     check_device_support(cfg, dist)  # a --deepspeed-config must agree with the new batch
         elif cfg.resume == "auto":
             self.notes.append(f"note: no checkpoint in {out} to resume; starting a new run")
-        resolve_config(cfg, dist, out)
-        return self.plan.out, self.plan.resume_state
+        self.cfg = cfg = resolve_config(cfg, dist, out)
+        return cfg, self.plan.out, self.plan.resume_state
 
-    def start_run(self, inputs) -> None:
+    def start_run(self, inputs) -> TrainConfig:
         """A resume's data and weights checked against last.pt's, what differs from what the flags suggest
-        (one line each), then the run folder's first write."""
+        (one line each), then the run folder's first write. The config, with IMDB's folder as loading found it."""
         from fastpt.cli import run_folder
+        from fastpt.loop.build import saved_config
 
         cfg, dist = self.cfg, self.dist
-        if not cfg.data:
-            cfg.data_dir = cfg.data_dir or str(Path("data").resolve())  # where loading found (or put) the data
+        if not cfg.data and not cfg.data_dir:  # where loading found (or put) the data
+            self.cfg = cfg = dataclasses.replace(cfg, data_dir=str(Path("data").resolve()))
         run_folder.check_same_data(self.plan, cfg, inputs)  # a resume on changed data: refused, nothing written
         if dist.is_main:
             for line in self.notes + notes(cfg, dist, inputs):
                 print(line, file=sys.stderr)
         self.started = True
-        run_folder.start_out_dir(self.plan, cfg, dist, run_folder.data_key(inputs))
+        run_folder.start_out_dir(self.plan, saved_config(cfg, inputs), dist, run_folder.data_key(inputs))
+        return cfg
 
     @contextlib.contextmanager
     def exit_status(self):

@@ -28,6 +28,7 @@ Lightning has no flag for this.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -51,16 +52,17 @@ def accepts_batch_size(batch_size: int, saved_batch: int, flag: int | None, save
     return batch_size in (saved_batch, flag) or batch_size * world == saved_batch * saved_world
 
 
-def adapt(cfg, state: dict, world_size: int) -> str | None:
-    """Fit the checkpointed run to world_size processes: cfg.batch_size, the data position, per-rank state.
+def adapt(cfg, state: dict, world_size: int) -> tuple:
+    """Fit the checkpointed run to world_size processes: the per-process batch, the data position, per-rank state.
 
-    Changes cfg and state in place; returns the line that says what changed (None: nothing did).
+    Returns (the config with that batch, a new value; the line that says what changed, None if nothing
+    did). The resume state is changed in place.
     """
     saved_world, saved_batch = state["world_size"], state["config"]["batch_size"]
     state["batch_size_flag"] = batch_size_flag(state)
     if saved_world == world_size:
-        cfg.batch_size = saved_batch  # the flag it was started with may differ after an earlier resize
-        return None
+        # the flag it was started with may differ after an earlier resize
+        return dataclasses.replace(cfg, batch_size=saved_batch), None
     if not resizable(cfg):
         raise CheckpointError(f"cannot continue a --zero-stage {cfg.zero_stage} run on {world_size} process(es): "
                               f"it was written by {saved_world}; resume it with {saved_world}")
@@ -73,17 +75,17 @@ def adapt(cfg, state: dict, world_size: int) -> str | None:
         raise CheckpointError(f"cannot continue a --bucket run mid-epoch on {world_size} process(es): its global "
                               f"batch of {global_batch} does not divide by {world_size}; resume it on a number of "
                               f"processes that divides {global_batch}")
-    cfg.batch_size = batch
+    cfg = dataclasses.replace(cfg, batch_size=batch)
     state["progress"] = {**progress, "batch_in_epoch": position // new_global, "epoch_offset": position % new_global}
     state["per_rank"] = remap_per_rank(state["per_rank"], world_size, cfg.seed, progress["global_step"])
     state["world_size"] = world_size
     accum = f" x --grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
     if new_global == global_batch:
-        return (f"note: continuing on {world_size} process(es) instead of {saved_world}: --batch-size "
-                f"{saved_batch} -> {batch} per process keeps the global batch of {global_batch}{accum}")
-    return (f"note: continuing on {world_size} process(es) instead of {saved_world}: the global batch of "
-            f"{global_batch} does not divide by {world_size}, so it changes to {new_global}{accum} "
-            f"(--batch-size {saved_batch} -> {batch} per process); the epoch continues where it stopped")
+        return cfg, (f"note: continuing on {world_size} process(es) instead of {saved_world}: --batch-size "
+                     f"{saved_batch} -> {batch} per process keeps the global batch of {global_batch}{accum}")
+    return cfg, (f"note: continuing on {world_size} process(es) instead of {saved_world}: the global batch of "
+                 f"{global_batch} does not divide by {world_size}, so it changes to {new_global}{accum} "
+                 f"(--batch-size {saved_batch} -> {batch} per process); the epoch continues where it stopped")
 
 
 def remap_per_rank(per_rank: list[dict], world_size: int, seed: int, step: int) -> list[dict]:

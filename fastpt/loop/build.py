@@ -1,24 +1,28 @@
 """The build step: what train.py's loop works with, built in one documented order, as plain parts.
 
-    load_inputs(cfg, dist) -> Inputs        tokenizer, model (initial weights), tokenised splits
+    load_inputs(cfg, dist) -> Inputs        tokenizer, model (initial weights), tokenised splits, and
+                                            what the data decides: label names, class weights
     build(cfg, dist, inputs, strategy, out_dir, resume_state) -> Parts:
         backends                            TF32, deterministic kernels, the compile cache (backends.py)
         tracker                             console, TensorBoard (rank 0 writes; monitoring/tracking.py)
         loaders                             global batches, each rank its share (inputs/data.py)
         --pack                              packed batches and their attention kernel (speedups/packing.py)
-        strategy.setup(model)               to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer
-        forward_loss, eval_sums             step.py / evaluation.py, compiled where the strategy does
-        bookkeeping, record                 counters, throughput (bookkeeping.py); best epoch, early stopping (record.py)
+        the model, training_steps           what train.py hands strategy.setup (strategies/base.py)
+        forward_loss, eval_sums             step.py / evaluation.py, eager: train.py has the strategy compile them
+        bookkeeping, stopper, record        position, device sums, clocks, what is due, the bar (bookkeeping.py);
+                                            the graceful stop (signals.py); best epoch, early stopping (record.py)
 
 `build` builds; it does not decide the order of a run, and the parts have no methods that run
-one. train.py does: for each epoch `step.train_epoch`, `evaluation.evaluate`, the best tracker,
-best.pt, early stopping; then the best weights, the test and results.json (cli/outputs.py).
+one. train.py does: strategy.setup (to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer),
+then for each epoch `step.train_epoch`, `evaluation.evaluate`, the best tracker, best.pt, early
+stopping; then the best weights, the test and results.json (cli/outputs.py).
 What Lightning's `Trainer.fit` + `Trainer.test` do, written out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import signal
 from dataclasses import dataclass
@@ -31,13 +35,14 @@ import torch
 from fastpt.inputs import columns, data, own_data
 from fastpt.inputs.models import check_max_length, check_model_source, count_parameters, load_model, load_tokenizer
 from fastpt.inputs.token_cache import cache_root, prepare_splits
+from fastpt.loop.bookkeeping import Bookkeeping, Clocks, DeviceSums, DueCheck, Position
 from fastpt.loop.early_stopping import BestTracker, EarlyStopping
 from fastpt.loop.evaluation import make_eval_sums
+from fastpt.loop.loaders import Loaders, build_loaders, needs_token_types
 from fastpt.loop.record import RunRecord
 from fastpt.loop.step import class_weights, make_forward_loss
 from fastpt.cluster import distributed
 from fastpt.monitoring import metrics
-from fastpt.loop.bookkeeping import Bookkeeping
 from fastpt.config import TrainConfig
 from fastpt.cluster.signals import GracefulStop
 from fastpt.monitoring.tracking import NullTracker, Tracker
@@ -58,19 +63,34 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Inputs:
-    """What a run reads before it writes anything: bad input fails here, with the run folder untouched."""
+    """What a run reads before it writes anything: bad input fails here, with the run folder untouched.
+
+    What the data decides travels here, not in the config: the label names (the table's, or
+    --label-names), where each split came from, the class weights' values (--class-weights balanced
+    counts the training split)."""
     tokenizer: object
     model: torch.nn.Module  # initial weights, on the CPU; the strategy takes it over
     splits: dict  # "train", "validation", "test" -> data.TokenizedSplit, cut to --train-size etc.
     cache_path: Path  # the token cache they came from
     label_names: list  # id i is label_names[i] (IMDB: neg, pos)
     model_config: object = None  # the model's config, for --export-dir (the strategy takes the model)
+    data_splits: dict | None = None  # --data: where each split came from (own_data.py); IMDB: None
+    class_weight_values: list | None = None  # --class-weights: the loss's weight of each class
+    # Where --label-names renamed them, the data's own labels in id order ("0", "1"): what a file labelled
+    # like the training data holds, read by fastpt-predict and by predictions.csv's check.
+    data_label_names: list | None = None
 
     def train_examples_used(self, cfg: TrainConfig, world_size: int) -> int:
         """Reviews one epoch trains on, over all processes: its whole global batches (TrainBatchSampler
         drops the last, short one)."""
         global_batch = cfg.batch_size * world_size
         return len(self.splits["train"]) // global_batch * global_batch
+
+
+def saved_config(cfg: TrainConfig, inputs: Inputs) -> dict:
+    """The config as a run saves it (config.json, best.pt, last.pt): every setting, and what the data decided."""
+    return {**cfg.to_dict(), "label_names": list(inputs.label_names), "data_splits": inputs.data_splits,
+            "class_weight_values": inputs.class_weight_values, "data_label_names": inputs.data_label_names}
 
 
 def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
@@ -83,22 +103,21 @@ def load_inputs(cfg: TrainConfig, dist: distributed.DistInfo) -> Inputs:
                   builder=distributed.node_first_rank(dist))
     if cfg.data is None:  # IMDB, the article's split
         splits, cache_path = prepare_splits(cfg.data_dir, cfg.cache_dir, tokenizer, cfg.max_length, **shared)
-        label_names = None  # the model's config as the article's run has it
-        cfg.label_names = list(IMDB_LABELS)
+        label_names, data_splits, data_label_names = None, None, None  # the model's config as the article's run has it
     else:  # --data: your own table (own_data.py)
-        splits, cache_path, data_labels, cfg.data_splits = own_data.prepare_own_splits(cfg, tokenizer, **shared)
-        label_names = cfg.label_names = columns.named_labels(data_labels, cfg.label_names)  # --label-names, if given
-        cfg.data_label_names = data_labels if label_names != data_labels else None
+        splits, cache_path, data_labels, data_splits = own_data.prepare_own_splits(cfg, tokenizer, **shared)
+        label_names = columns.named_labels(data_labels, cfg.label_names)  # --label-names, if given
+        data_label_names = data_labels if label_names != data_labels else None
     seed_everything(cfg.seed)  # identical initial weights on every rank (FSDP does not broadcast)
     model = load_model(cfg.model, cfg.random_init, cfg.attn_implementation, label_names)
     check_model_fits(cfg, model, tokenizer)
     sizes = {"train": cfg.train_size, "validation": cfg.val_size, "test": cfg.test_size}
     inputs = Inputs(tokenizer, model, {name: splits[name].head(n) for name, n in sizes.items()}, cache_path,
-                    cfg.label_names, model.config)
+                    label_names or list(IMDB_LABELS), model.config, data_splits, data_label_names=data_label_names)
     if inputs.train_examples_used(cfg, dist.world_size) == 0:
         raise ValueError(f"{len(inputs.splits['train'])} training examples over {dist.world_size} process(es) "
                          f"make no full batch of {cfg.batch_size}")
-    cfg.class_weight_values = class_weights(cfg.class_weights, inputs.splits["train"].labels, cfg.label_names)
+    inputs.class_weight_values = class_weights(cfg.class_weights, inputs.splits["train"].labels, inputs.label_names)
     return inputs
 
 
@@ -120,54 +139,18 @@ def check_model_fits(cfg: TrainConfig, model, tokenizer) -> None:
                              f"after the first separator token as fastpt's batches assume; drop --text-pair-column")
 
 
-def needs_token_types(cfg: TrainConfig, model_config) -> bool:
-    """Whether batches need token_type_ids: sentence pairs on a model with segment embeddings (BERT; not
-    DistilBERT, which has none, nor RoBERTa, which has one)."""
-    return bool(cfg.text_pair_column) and getattr(model_config, "type_vocab_size", 0) > 1
-
-
-@dataclass
-class Loaders:
-    """The training sampler and loader, and one evaluation loader per split (data.py)."""
-    train_sampler: data.TrainBatchSampler
-    train: object
-    validation: object
-    test: object
-    num_workers: int
-    pin_memory: bool
-
-
-def build_loaders(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs) -> Loaders:
-    device, splits = dist.device, inputs.splits
-    pad_id = inputs.tokenizer.pad_token_id or 0
-    sep_id = inputs.tokenizer.sep_token_id if needs_token_types(cfg, inputs.model_config) else None
-    workers, pin = data.loader_settings(cfg, device.type == "cuda", dist.local_world_size)
-    collate = data.make_collator(cfg, pad_id, sep_id)
-    train_sampler = data.TrainBatchSampler(splits["train"], cfg.batch_size, dist.rank, dist.world_size, cfg.seed,
-                                           cfg.bucket, cfg.bucket_multiplier, balance_tokens=cfg.pack)
-    eval_samplers = {name: data.EvalBatchSampler(splits[name], cfg.eval_batch_size, dist.rank, dist.world_size,
-                                                 sort_by_length=cfg.varying_lengths)
-                     for name in ("validation", "test")}
-    if cfg.data_on_device:
-        from fastpt.inputs.device_data import DeviceLoader
-        loaders = {"train": DeviceLoader(splits["train"], train_sampler, collate, device),
-                   **{name: DeviceLoader(splits[name], sampler, collate, device)
-                      for name, sampler in eval_samplers.items()}}
-    else:
-        loaders = {"train": data.make_loader(splits["train"], train_sampler, collate, workers, pin, cfg.seed),
-                   **{name: data.make_loader(splits[name], sampler, collate, workers, pin, cfg.seed)
-                      for name, sampler in eval_samplers.items()}}
-    return Loaders(train_sampler, **loaders, num_workers=workers, pin_memory=pin)
-
-
 @dataclass
 class Parts:
     """What train.py's loop works with, each used directly (no hub object in between)."""
     loaders: Loaders
-    forward_loss: Callable  # step.py: autocast, forward, loss, metric sums; compiled whole where the strategy does
+    model: torch.nn.Module  # for strategy.setup: packed where --pack asks, on the CPU until then
+    training_steps: int  # the run's optimiser steps: the learning-rate schedule's length
+    forward_loss: Callable  # step.py: autocast, forward, loss, metric sums (eager: strategy.compile_step)
     eval_sums: Callable  # evaluation.py: the same for evaluation
+    config: dict  # the config as best.pt and last.pt keep it (saved_config)
     tracker: Tracker | NullTracker  # console and TensorBoard on rank 0, nothing elsewhere
-    bookkeeping: Bookkeeping  # where the run is: epoch, step, sums kept on the device, what is due
+    bookkeeping: Bookkeeping  # the parts around the step: position, device sums, clocks, what is due, the bar
+    stopper: GracefulStop  # SIGTERM / SIGINT / --requeue-signal: train.py installs it when training starts
     record: RunRecord  # history, best epoch, early stopping, validation time (what last.pt keeps beside the weights)
 
 
@@ -176,14 +159,13 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
           resume_state: dict | None = None):
     """The parts, built in the order of the module's docstring; what they hold is closed when the run ends.
 
-    After a resume, the bookkeeping starts from last.pt's counters and sums; the weights, optimiser,
-    RNG and record are restored by train.py (cli/outputs.py:restore).
+    After a resume, the bookkeeping starts from last.pt's position, sums and clocks; the weights,
+    optimiser, RNG and record are restored by train.py (loop/checkpoints.py:restore).
     """
     device = dist.device
     backends.configure(cfg, device, cache_root(cfg.cache_dir))
-    resume_step = resume_state["progress"]["global_step"] if resume_state else None
     # purge_step: drop what a killed run logged after its checkpoint (logged up to and including it).
-    purge_step = None if resume_step is None else resume_step + 1
+    purge_step = resume_state["progress"]["global_step"] + 1 if resume_state else None
     tracker = Tracker(out_dir, cfg.progress, cfg.tensorboard, purge_step=purge_step) if dist.is_main else NullTracker()
     splits = inputs.splits
     tracker.print(f"data: {inputs.cache_path} | train {len(splits['train'])}, "
@@ -198,36 +180,39 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         model = PackedClassifier(model, choice["kernel"], choice=choice)
     # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer, schedule (strategies/base.py)
     batches_per_epoch = inputs.train_examples_used(cfg, dist.world_size) // loaders.train_sampler.global_batch_size
-    strategy.setup(model, training_steps=total_steps(cfg, batches_per_epoch))
-    weights = (torch.tensor(cfg.class_weight_values, dtype=torch.float32, device=device)
-               if cfg.class_weight_values else None)  # --class-weights: the loss's weight of each class
-    forward_loss = make_forward_loss(strategy, cfg.max_length, class_weights=weights)
-    eval_sums = make_eval_sums(strategy, cfg.max_length, class_weights=weights)
+    training_steps = total_steps(cfg, batches_per_epoch)  # the schedule's length, for strategy.setup (train.py)
+    weights = (torch.tensor(inputs.class_weight_values, dtype=torch.float32, device=device)
+               if inputs.class_weight_values else None)  # --class-weights: the loss's weight of each class
+    forward_loss = make_forward_loss(strategy.precision, cfg.max_length, class_weights=weights)
+    eval_sums = make_eval_sums(strategy.precision, cfg.max_length, class_weights=weights)
     peak = device_peak(cfg, dist, hidden)  # MFU's denominator: the vendor's figure, or measured (CPUs)
-    torch.manual_seed(cfg.seed + dist.rank)  # different dropout masks per rank
     meter = metrics.Throughput(device, WARMUP_STEPS,
                                lambda lengths: metrics.review_flops(lengths, n_matmul, layers, hidden),
                                peak["flops_per_s"], peak_info=peak)
     stopper = GracefulStop(warning_signal=signal.Signals[f"SIG{cfg.requeue_signal}"],  # slurm.py
                            timeout_s=cfg.dist_timeout)  # a hung rank stops the others at the first step's check
-    bookkeeping = Bookkeeping(cfg, dist, out_dir, tracker, meter, stopper, strategy, resume=resume_state)
+    progress = resume_state["progress"] if resume_state else None
+    position = Position.resumed(progress) if progress else Position()
+    bookkeeping = Bookkeeping(position, DeviceSums(device, resume_state and resume_state["per_rank"][dist.rank]),
+                              Clocks(device, meter, progress), DueCheck(cfg, dist, stopper, out_dir), tracker, strategy,
+                              cfg.epochs, dist.world_size)
     record = RunRecord(BestTracker(cfg.monitor_mode),
                        EarlyStopping(cfg.monitor_mode, cfg.early_stopping_patience, cfg.min_delta),
-                       epoch_offset=resume_state["progress"].get("epoch_offset", 0) if resume_state else 0,
+                       epoch_offset=progress.get("epoch_offset", 0) if progress else 0,
                        batch_size_flag=(resume_state or {}).get("batch_size_flag", cfg.batch_size),
                        label_names=list(inputs.label_names))
     if resume_state:
-        tracker.print(f"resumed from step {bookkeeping.global_step} "
-                      f"(epoch {bookkeeping.epoch + 1}, batch {bookkeeping.batch_in_epoch})")
+        tracker.print(f"resumed from step {position.global_step} "
+                      f"(epoch {position.epoch + 1}, batch {position.batch_in_epoch})")
     tracker.print(f"model: {cfg.model} ({n_params / 1e6:.1f}M parameters) | strategy: {strategy.name} "
                   f"x{dist.world_size} on {device} | amp: {cfg.amp_dtype if cfg.amp else 'off'} | "
                   f"compile: {cfg.compile} | {'pack' if cfg.pack else f'pad to {cfg.pad_to}'}"
                   f"{' (bucket)' if cfg.bucket else ''}")
-    tracker.text("config", cfg.to_json())
-    metrics.reset_peak_memory(device)  # the reported peak is training's, not model loading's
-    stopper.install()
+    config = saved_config(cfg, inputs)
+    tracker.text("config", json.dumps(config, indent=2, sort_keys=True))
     try:
-        yield Parts(loaders, forward_loss, eval_sums, tracker, bookkeeping, record)
+        yield Parts(loaders, model, training_steps, forward_loss, eval_sums, config, tracker, bookkeeping, stopper,
+                    record)
     finally:
         backends.restore(cfg)
         stopper.uninstall()

@@ -40,8 +40,8 @@ from fastpt.loop.step import classify
 from fastpt.cluster.distributed import all_gather_object, all_reduce_sum
 
 
-def make_eval_sums(strategy, max_length: int, class_weights: torch.Tensor | None = None):
-    """eval_sums(model, batch) -> (sums, logits, predicted), compiled like the step: sums = [weighted loss sum,
+def make_eval_sums(precision, max_length: int, class_weights: torch.Tensor | None = None):
+    """eval_sums(model, batch) -> (sums, logits, predicted), compiled as the step is: sums = [weighted loss sum,
     weighted correct, weight, loss weight, confusion (K x K, flat)]; confusion[true * K + predicted] counts each
     example by its weight. The logits and predicted ids are for `per_example` (predictions.csv).
 
@@ -50,7 +50,7 @@ def make_eval_sums(strategy, max_length: int, class_weights: torch.Tensor | None
     """
 
     def eval_sums(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        with strategy.precision.autocast():
+        with precision.autocast():
             logits = classify(model, batch, max_length)
         weight = batch["weight"].double()
         labels = batch["labels"]
@@ -65,7 +65,7 @@ def make_eval_sums(strategy, max_length: int, class_weights: torch.Tensor | None
                                        loss_weight.sum()]), confusion])
         return sums, logits, predicted
 
-    return strategy.compile_step(eval_sums)
+    return eval_sums
 
 
 @torch.no_grad()
@@ -75,7 +75,7 @@ def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num
     'time_s' (host time, ending with the read of the sums: synchronised) and 'compile_s' (the part of it
     spent in calls that compiled a graph, by the compile clock). The bar, if any, is closed. With
     `per_example`, 'per_example' too: `gather_per_example`'s probabilities and predicted ids, in the split's order."""
-    eval_sums = eval_sums or make_eval_sums(strategy, strategy.cfg.max_length)
+    eval_sums = eval_sums or strategy.compile_step(make_eval_sums(strategy.precision, strategy.cfg.max_length))
     began, compiled_before = time.perf_counter(), compile_clock.seconds if compile_clock is not None else 0.0
     was_training = strategy.model.training
     strategy.train(False)

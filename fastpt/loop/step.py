@@ -11,13 +11,13 @@ device, forward under autocast, the loss, the scaled backward (gradients reduced
 processes only on the last micro-batch), then unscale, clip, step, update the scaler and zero
 the gradients. `forward_loss` (forward, loss and the batch's metric sums) runs eagerly around
 compiled transformer layers under `--compile` (the default scope), and is itself compiled whole on
-one device under `--compile-scope whole`: either way what a reader reads is what runs
-(speedups/compile.py).
+one device under `--compile-scope whole` (train.py hands it to `strategy.compile_step`): either
+way what a reader reads is what runs (speedups/compile.py).
 
-Everything that is not the computation (step counters, the epoch's metric sums, the log
-window, the first non-finite loss, the throughput meter, signals, resume) lives in
-`bookkeeping.Bookkeeping`, which answers what is due and calls nothing back; last.pt is
-train.py's, handed up by `train_epoch` (a generator) when due. The strategy
+Everything that is not the computation (the position, the epoch's metric sums, the log
+window, the first non-finite loss, the clocks and the throughput meter, what is due, the bar)
+lives in `bookkeeping.py`, one part per concern, which answers what is due and calls nothing
+back; last.pt is train.py's, handed up by `train_epoch` (a generator) when due. The strategy
 (`strategies/base.py`) holds what differs between one device, DDP, FSDP and DeepSpeed. Nothing
 here reads a value back from the device: losses and correct counts stay on it as sums, read at
 log steps.
@@ -48,20 +48,20 @@ def metric_sums(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) 
     return torch.stack([loss * n, correct, torch.full_like(loss, n), loss])
 
 
-def make_forward_loss(strategy, max_length: int, class_weights: torch.Tensor | None = None):
-    """forward_loss(model, batch) -> (loss, metric sums): compiled whole where the strategy does.
+def make_forward_loss(precision, max_length: int, class_weights: torch.Tensor | None = None):
+    """forward_loss(model, batch) -> (loss, metric sums), under `precision`'s autocast (speedups/amp.py).
 
     With `class_weights` (--class-weights, one per class, on the device) the loss is the weighted
     mean, sum(w[y] x loss) / sum(w[y]) over the batch: `F.cross_entropy(weight=...)`, packed or padded.
     """
 
     def forward_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        with strategy.precision.autocast():  # mixed precision: matmuls and attention in 16 bits (speedups/amp.py)
+        with precision.autocast():  # mixed precision: matmuls and attention in 16 bits (speedups/amp.py)
             logits = classify(model, batch, max_length)
         loss = F.cross_entropy(logits.float(), batch["labels"], weight=class_weights)
         return loss, metric_sums(loss, logits, batch["labels"])
 
-    return strategy.compile_step(forward_loss)
+    return forward_loss
 
 
 def class_weights(setting, train_labels: np.ndarray, label_names: list) -> list | None:
@@ -115,7 +115,7 @@ def train_epoch(strategy, train_loader, bookkeeping, forward_loss, grad_accum: i
         if len(micro_batches) < grad_accum and batches_left:  # --grad-accum batches, fewer at the epoch's end
             continue
         sums = train_step(strategy, micro_batches, forward_loss)
-        last = not batches_left or max_steps_reached(bookkeeping.global_step + 1, max_steps)
+        last = not batches_left or max_steps_reached(bookkeeping.position.global_step + 1, max_steps)
         due = bookkeeping.after_step(sums, len(micro_batches), ends_epoch=last)  # counters, sums; what is due
         if due.log:
             bookkeeping.log()

@@ -51,9 +51,9 @@ class Strategy:
 
     # ------------------------------------------------------------------ setup
     def setup(self, model: torch.nn.Module, training_steps: int | None = None) -> None:
-        """The one order: to device -> wrap (compile the layers in place; DDP compiles, then wraps; FSDP
-        compiles, then shards each layer) -> optimizer -> learning-rate schedule (over `training_steps`
-        optimiser steps).
+        """The one order, which train.py calls: to device -> wrap (compile the layers in place; DDP
+        compiles, then wraps: ddp.py's apply_ddp; FSDP compiles, then shards each layer: fsdp.py's
+        apply_fsdp) -> optimizer -> learning-rate schedule (over `training_steps` optimiser steps).
 
         The optimizer is built last, from the parameters as they finally are (FSDP replaces
         them with sharded DTensors).
@@ -173,27 +173,24 @@ class Strategy:
         self.module.load_state_dict(state)
 
     def training_state(self, ckpt_dir: Path) -> dict:
-        """Everything to continue training, as tensors and plain containers (weights_only-safe)."""
-        return {
-            "model": self.model_state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.precision.state_dict(),
-            **self.schedule_state(),
-        }
+        """Everything to continue training, as tensors and plain containers (weights_only-safe). The
+        schedule keeps its position (its step count; the rate itself is in the optimiser's param groups)."""
+        schedule = {"lr_scheduler": self.lr_scheduler.state_dict()} if self.lr_scheduler is not None else {}
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict(),
+                "scaler": self.precision.state_dict(), **schedule}
 
     def load_training_state(self, state: dict, ckpt_dir: Path) -> None:
         self.load_model_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_optimizer_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["scaler"])
-        self.load_schedule_state(state)
-
-    def schedule_state(self) -> dict:
-        """The schedule's position (its step count; the rate itself is in the optimiser's param groups)."""
-        return {"lr_scheduler": self.lr_scheduler.state_dict()} if self.lr_scheduler is not None else {}
-
-    def load_schedule_state(self, state: dict) -> None:
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def optimizer_state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
 
     def memory_report(self) -> dict:
         """Bytes of parameters, gradients and optimiser state held by this rank."""

@@ -27,19 +27,30 @@ from fastpt.speedups.compile import apply_compile, compile_layers
 from fastpt.strategies.base import Strategy
 
 
+def apply_ddp(model: torch.nn.Module, device: torch.device, compile_mode: str | None = None,
+              compile_scope: str = "layers", dynamic_tokens: bool = False) -> torch.nn.Module:
+    """`model` compiled (with `compile_mode`), then wrapped in DistributedDataParallel: what the step calls.
+
+    Compile first, then wrap. The whole model (`compile_scope` "whole"): DDP's graph-break
+    optimizer (DDPOptimizer) splits the compiled graph at bucket boundaries so each bucket's
+    all-reduce starts as soon as its gradients are ready. The layers: each compiled in place, and
+    DDP's hooks fire between them.
+    """
+    if compile_mode is not None and compile_scope == "whole":
+        model = apply_compile(model, compile_mode)
+    elif compile_mode is not None:
+        compile_layers(model, compile_mode, dynamic_tokens)
+    # Every rank starts from rank 0's weights (DDP broadcasts them); gradients are averaged in backward.
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        # Compile first, then wrap. The whole model: DDP's graph-break optimizer (DDPOptimizer)
-        # splits the compiled graph at bucket boundaries so each bucket's all-reduce starts as
-        # soon as its gradients are ready. The layers: DDP's hooks fire between compiled layers.
-        if self.compiles("whole"):
-            module = apply_compile(module, self.cfg.compile_mode)
-        elif self.compiles("layers"):
-            compile_layers(module, self.cfg.compile_mode, self.cfg.varying_lengths)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids)
+        cfg = self.cfg
+        return apply_ddp(module, self.device, cfg.compile_mode if cfg.compile else None, cfg.compile_scope,
+                         cfg.varying_lengths)
 
     def compile_step(self, fn):
         return fn  # the model inside DDP is compiled (see wrap)

@@ -113,9 +113,6 @@ class DeepSpeedStrategy(Strategy):
         self._skipped_before = self.model.skipped_steps  # step_was_skipped compares with it
 
     # ------------------------------------------------------------------ the step
-    def compile_step(self, fn):
-        return fn  # refused in the config: the engine wraps the model itself
-
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool):
         """Tell the engine whether this micro-step ends an accumulation window.
@@ -252,13 +249,11 @@ class DeepSpeedStrategy(Strategy):
         params = list(self.module.parameters())
         if self.zero_stage == 3:
             param_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
-        else:
-            param_bytes = sum(local_bytes(p) for p in params)
-        if self.zero_stage == 3:
             masters = self.optimizer.fp32_partitioned_groups_flat
             # Without --amp the float32 partition is the parameter partition itself: no copy.
             shared = {t.data_ptr() for t in self.optimizer.fp16_partitioned_groups_flat}
         else:
+            param_bytes = sum(local_bytes(p) for p in params)
             masters, shared = self.optimizer.single_partition_of_fp32_groups, set()
         master_bytes = sum(local_bytes(t) for t in masters if t.data_ptr() not in shared)
         partition_numel = sum(t.numel() for t in masters)
@@ -273,7 +268,8 @@ class DeepSpeedStrategy(Strategy):
         }
 
     def close(self) -> None:
-        self.model.destroy()  # release the engine's hooks and buffers
+        if self.model is not None:  # an engine was built (setup may have failed before)
+            self.model.destroy()  # release the engine's hooks and buffers
         forget_process_groups()
 
 

@@ -44,7 +44,6 @@ models do, and one file keeps resume identical across strategies.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -99,9 +98,6 @@ class FSDPStrategy(Strategy):
         return apply_fsdp(module, self.cfg.fsdp_reshard_after_forward, param_dtype,
                           self.cfg.compile_mode if self.cfg.compile else None, self.cfg.varying_lengths)
 
-    def compile_step(self, fn):
-        return fn  # each layer is compiled inside apply_fsdp
-
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool):
         """On accumulation micro-batches keep full local gradients instead of reduce-scattering."""
@@ -119,16 +115,9 @@ class FSDPStrategy(Strategy):
     def load_model_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.module, state, options=SCATTER)
 
-    def training_state(self, ckpt_dir: Path) -> dict:
-        return {
-            "model": self.model_state_dict(),
-            "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=GATHER),
-            "scaler": self.precision.state_dict(),
-            **self.schedule_state(),
-        }
+    def optimizer_state_dict(self) -> dict:
+        """The full optimiser state on rank 0, gathered as the model's is (training_state: last.pt)."""
+        return get_optimizer_state_dict(self.module, self.optimizer, options=GATHER)
 
-    def load_training_state(self, state: dict, ckpt_dir: Path) -> None:
-        self.load_model_state_dict(state["model"])
-        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=SCATTER)
-        self.precision.load_state_dict(state["scaler"])
-        self.load_schedule_state(state)
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.module, self.optimizer, state, options=SCATTER)
