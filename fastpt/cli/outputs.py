@@ -49,6 +49,8 @@ def save_last(ckpt_dir: Path, cfg, dist, strategy, bookkeeping, record: RunRecor
             "progress": {**bookkeeping.progress(), "val_time_s": record.val_time_s,
                          "val_compile_s": record.val_compile_s, "examples_in_epoch": examples_in_epoch},
             "batch_size_flag": record.batch_size_flag,
+            # the attention's measured precision: a resumed run keeps it (speedups/attention_precision.py)
+            "attention_precision": getattr(strategy.module, "attention_precision", None),
             "early_stopping": record.early_stopping.state_dict(),
             "best": record.best.state_dict(),
             "history": record.history,
@@ -129,6 +131,8 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         **metrics.rate_results(bookkeeping.meter, dist.world_size, bookkeeping.resumed_at_step),
         # The packed attention kernel and how it was chosen (--pack-attention, or the device's rule).
         "pack_attention": getattr(strategy.module, "kernel_choice", None) if cfg.pack else None,
+        # The attention's precision and how it was chosen (on a CPU under --amp: both measured times, seconds).
+        "attention_precision": getattr(strategy.module, "attention_precision", None),
         "peak_memory_bytes": metrics.peak_memory_bytes(dist.device),
         "memory_per_rank": distributed.all_gather_object(strategy.memory_report()),  # list, by rank
         "strategy": strategy.name, "world_size": dist.world_size, "device": str(dist.device),

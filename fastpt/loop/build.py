@@ -6,6 +6,7 @@
         tracker                             console, TensorBoard (rank 0 writes; monitoring/tracking.py)
         loaders                             global batches, each rank its share (inputs/data.py)
         --pack                              packed batches and their attention kernel (speedups/packing.py)
+        attention's precision               on a CPU under --amp, measured (speedups/attention_precision.py)
         strategy.setup(model)               to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer
         forward_loss, eval_sums             step.py / evaluation.py, compiled where the strategy does
         bookkeeping, record                 counters, throughput (bookkeeping.py); best epoch, early stopping (record.py)
@@ -41,7 +42,7 @@ from fastpt.loop.bookkeeping import Bookkeeping
 from fastpt.config import TrainConfig
 from fastpt.cluster.signals import GracefulStop
 from fastpt.monitoring.tracking import NullTracker, Tracker
-from fastpt.speedups import backends
+from fastpt.speedups import attention_precision, backends
 from fastpt.strategies.base import Strategy
 from fastpt.strategies.optimizer import total_steps
 
@@ -195,6 +196,10 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         from fastpt.speedups.packing import PackedClassifier
         choice = pack_attention_choice(cfg, dist.device.type)
         model = PackedClassifier(model, choice["kernel"], choice=choice)
+    precision = attention_precision.for_run(cfg, dist, model, splits["train"], resume_state)  # rank 0 measures
+    model = attention_precision.apply(model, precision)
+    if line := attention_precision.describe(precision):  # measured: the choice and both times
+        tracker.print(line)
     # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer, schedule (strategies/base.py)
     batches_per_epoch = inputs.train_examples_used(cfg, dist.world_size) // loaders.train_sampler.global_batch_size
     strategy.setup(model, training_steps=total_steps(cfg, batches_per_epoch))
