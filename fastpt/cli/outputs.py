@@ -63,6 +63,8 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         **metrics.rate_results(clocks.meter, dist.world_size, bookkeeping.position.resumed_at_step),
         # The packed attention kernel and how it was chosen (--pack-attention, or the device's rule).
         "pack_attention": getattr(strategy.module, "kernel_choice", None) if cfg.pack else None,
+        # The attention's precision and how it was chosen (on a CPU under --amp: both measured times, seconds).
+        "attention_precision": getattr(strategy.module, "attention_precision", None),
         "peak_memory_bytes": metrics.peak_memory_bytes(dist.device),
         "memory_per_rank": distributed.all_gather_object(strategy.memory_report()),  # list, by rank
         "strategy": strategy.name, "world_size": dist.world_size, "device": str(dist.device),

@@ -165,6 +165,7 @@ def run(args, dist) -> None:
     from fastpt.loop.evaluation import macro_f1
     from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,
                                        tokenize)
+    from fastpt.speedups import attention_precision
     from fastpt.speedups.amp import MixedPrecision, check_dtype_supported
 
     model, tokenizer, names, run_cfg = load_trained(Path(args.model), args.checkpoint)
@@ -191,6 +192,8 @@ def run(args, dist) -> None:
         loader = prediction_loader(split, args.batch_size, pad_id, max_length, dist.rank, dist.world_size, sep_id,
                                    pin_memory=pin)
         batching = f"batch {args.batch_size}"
+    precision = attention_precision.for_predictions(args.amp, dist, model, loader)  # rank 0 measures
+    model = attention_precision.apply(model, precision)
     autocast = MixedPrecision(bool(args.amp), args.amp or "bfloat16", dist.device).autocast()
     out = predict(model.to(dist.device), loader, dist.device, autocast, max_length)
     seconds = time.perf_counter() - began
@@ -203,6 +206,8 @@ def run(args, dist) -> None:
     print(f"predicted {len(texts)} texts in {seconds:.2f} s ({len(texts) / seconds:.1f} texts/s, tokenising "
           f"included) | {batching} | max length {max_length} | {dist.device} x{dist.world_size} | "
           f"amp: {args.amp or 'off'} | torch {torch.__version__}")
+    if line := attention_precision.describe(precision):  # measured: the choice and both times
+        print(line)
     if gold is not None:
         k = len(names)
         confusion = [[0] * k for _ in range(k)]

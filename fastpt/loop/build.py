@@ -7,6 +7,7 @@
         tracker                             console, TensorBoard (rank 0 writes; monitoring/tracking.py)
         loaders                             global batches, each rank its share (inputs/data.py)
         --pack                              packed batches and their attention kernel (speedups/packing.py)
+        attention's precision               on a CPU under --amp, measured (speedups/attention_precision.py)
         the model, training_steps           what train.py hands strategy.setup (strategies/base.py)
         forward_loss, eval_sums             step.py / evaluation.py, eager: train.py has the strategy compile them
         bookkeeping, stopper, record        position, device sums, clocks, what is due, the bar (bookkeeping.py);
@@ -46,7 +47,7 @@ from fastpt.monitoring import metrics
 from fastpt.config import TrainConfig
 from fastpt.cluster.signals import GracefulStop
 from fastpt.monitoring.tracking import NullTracker, Tracker
-from fastpt.speedups import backends
+from fastpt.speedups import attention_precision, backends
 from fastpt.strategies.base import Strategy
 from fastpt.strategies.optimizer import total_steps
 
@@ -178,6 +179,10 @@ def build(cfg: TrainConfig, dist: distributed.DistInfo, inputs: Inputs, strategy
         from fastpt.speedups.packing import PackedClassifier
         choice = pack_attention_choice(cfg, dist.device.type)
         model = PackedClassifier(model, choice["kernel"], choice=choice)
+    precision = attention_precision.for_run(cfg, dist, model, splits["train"], resume_state)  # rank 0 measures
+    model = attention_precision.apply(model, precision)
+    if line := attention_precision.describe(precision):  # measured: the choice and both times
+        tracker.print(line)
     # to device -> compile -> DDP / FSDP / DeepSpeed -> optimizer, schedule (strategies/base.py)
     batches_per_epoch = inputs.train_examples_used(cfg, dist.world_size) // loaders.train_sampler.global_batch_size
     training_steps = total_steps(cfg, batches_per_epoch)  # the schedule's length, for strategy.setup (train.py)

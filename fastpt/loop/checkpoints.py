@@ -60,6 +60,8 @@ def save_last(ckpt_dir: Path, config: dict, dist, strategy, bookkeeping: Bookkee
             "progress": {**bookkeeping.position.state(), **bookkeeping.clocks.state(), "val_time_s": record.val_time_s,
                          "val_compile_s": record.val_compile_s, "examples_in_epoch": examples_in_epoch},
             "batch_size_flag": record.batch_size_flag,
+            # the attention's measured precision: a resumed run keeps it (speedups/attention_precision.py)
+            "attention_precision": getattr(strategy.module, "attention_precision", None),
             "early_stopping": record.early_stopping.state_dict(),
             "best": record.best.state_dict(),
             "history": record.history,

@@ -26,6 +26,7 @@ fastpt has no such kernel.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-PACKED_ATTENTION = "fastpt_packed"
+PACKED_ATTENTION = "fastpt_packed"  # the attention functions' names in Hugging Face's registry
+FLOAT32_ATTENTION = "fastpt_packed_float32"
 KERNELS = ("varlen", "loop", "mask")
 
 
@@ -196,12 +198,25 @@ def packed_attention_kernel(device_type: str, compiled: bool, low_precision: boo
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                     cu_seqlens=None, max_seqlen=None, packed_kernel="loop", **kwargs):
-    """Transformers attention function: packed when `cu_seqlens` is given, else plain SDPA.
+                     cu_seqlens=None, max_seqlen=None, packed_kernel="loop", float32=False, **kwargs):
+    """Transformers attention function: packed when `cu_seqlens` is given, else plain SDPA; with
+    `float32`, on float32 copies of 16-bit inputs, the output cast back (attention_precision.py).
 
     The SDPA fallback keeps the same model usable on padded batches (evaluation, or loading
-    it anywhere) after `apply_packed_attention`. Packed attention ignores `dropout` (see top).
+    it anywhere) after `apply_packed_attention`. Packed attention ignores `dropout` (packing.py).
     """
+    if float32 and query.dtype != torch.float32:
+        # The casts sit here, outside the custom operator that torch.compile cannot see into, so that
+        # Inductor fuses them with the ops around (the projections' outputs, the next matmul's input).
+        # Autograd casts the gradient up before the operator's backward: that runs in float32 too.
+        dtype = query.dtype
+        query, key, value = (x.float() for x in (query, key, value))
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()  # an additive mask goes with the query's dtype
+        with torch.autocast(query.device.type, enabled=False):  # SDPA is on autocast's 16-bit list
+            out, weights = packed_attention(module, query, key, value, attention_mask, scaling, dropout,
+                                            cu_seqlens, max_seqlen, packed_kernel, **kwargs)
+        return out.to(dtype), weights
     if cu_seqlens is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask,
@@ -210,11 +225,14 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out, None
 
 
-def apply_packed_attention(model: nn.Module) -> nn.Module:
-    """Switches a Hugging Face model to `packed_attention` (registered once, with SDPA's mask)."""
+def apply_packed_attention(model: nn.Module, float32: bool = False) -> nn.Module:
+    """Switches a Hugging Face model to `packed_attention` (registered once, with SDPA's mask); with
+    `float32`, to its float32 form (FLOAT32_ATTENTION)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # padded batches keep their mask
-    model.set_attn_implementation(PACKED_ATTENTION)
+    for name, function in ((PACKED_ATTENTION, packed_attention),
+                           (FLOAT32_ATTENTION, functools.partial(packed_attention, float32=True))):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)  # padded batches keep their mask
+    model.set_attn_implementation(FLOAT32_ATTENTION if float32 else PACKED_ATTENTION)
     return model
