@@ -35,8 +35,9 @@ Read these, the lessons:
 Skip these on a first read, the machinery a real run needs:
     config.py    every setting of a run: one typed dataclass, validated once; read by every layer
     errors.py    the run's exceptions, each with its exit status
-    files/       what lands on disk: checkpoints (atomic, weights_only, RNG states) and
+    files/       what lands on disk: checkpoints (atomic, weights_only, RNG states),
                  shared_cache (a cache folder shared by runs and users: lock, atomic publish, digests)
+                 and trust (whose files a run may use on a shared node: the owner rule, FASTPT_TRUST_DIRS)
     cluster/     the processes: distributed (process group, collectives), slurm (srun's process group,
                  requeue before a time limit), signals (graceful stop), resize (resume on another
                  number of processes)
