@@ -114,12 +114,12 @@ def file_digests(folder: Path) -> dict[str, str]:
 
 
 def verify(path: Path) -> None:
-    """DataError unless the cache passes the owner rule (`check_owner`) and every file of it is byte for byte
-    what its build recorded.
+    """DataError unless the cache passes the owner rule (`check_cache_files`) and every file of it is byte for
+    byte what its build recorded.
 
     A changed, added or removed file, or a changed digest file, is refused: nothing trains on it.
     """
-    check_owner(path)
+    check_cache_files(path)
     try:
         recorded = trust.read_json(path / DIGEST)["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -136,11 +136,11 @@ def verify(path: Path) -> None:
                     f"trained on it. Remove that folder (rm -r {path}) and run again to rebuild it")
 
 
-def check_owner(path: Path) -> None:
+def check_cache_files(path: Path) -> None:
     """DataError unless every entry of the cache folder is a plain file or folder (never a symbolic link,
     a FIFO or a device: reading one would follow it elsewhere, hang or fill memory) and, outside a
     trusted folder, passes the owner rule (files/trust.py): yours, and no one else can change it."""
-    setting = cache_setting(str(path.parent))
+    setting, trusted = cache_setting(str(path.parent)), trust.trusted(path)
     for folder, names, files in os.walk(path):
         for entry in (Path(folder), *(Path(folder) / name for name in [*names, *files])):
             where = "it" if entry == path else entry.relative_to(path).as_posix()
@@ -149,7 +149,7 @@ def check_owner(path: Path) -> None:
                 raise DataError(f"refused the token cache {path}: {where} is {trust.kind(mode)}, which no build "
                                 f"writes; nothing was trained on it. Remove that folder if you may (rm -r {path}), "
                                 f"or choose another {setting}")
-            found = None if trust.trusted(path) else trust.problem(entry)
+            found = None if trusted else trust.problem(entry)
             if found:
                 fix = (f"make it yours alone (chmod -R go-w {path})" if found.startswith("can be changed")
                        else f"remove that folder if you may (rm -r {path}) or choose another {setting}")
