@@ -111,16 +111,21 @@ def test_own_data_whose_metadata_was_changed_is_refused(change, tmp_path, capsys
 # ---------------------------------------------------------------------------- permissions
 
 @pytest.mark.parametrize("umask", [0o022, 0o002], ids=["022", "002"])
-def test_cache_folders_follow_the_umask(umask, imdb_dir, tmp_path):
+@pytest.mark.parametrize("trusted", [False, True], ids=["own", "trusted"])
+def test_cache_folders_follow_the_umask_less_others_write_unless_trusted(umask, trusted, imdb_dir, tmp_path,
+                                                                        monkeypatch):
+    if trusted:  # a team's cache folder: what the umask gives, group write included
+        monkeypatch.setenv("FASTPT_TRUST_DIRS", str(tmp_path / "cache"))
     previous = os.umask(umask)
     try:
         _, path = token_cache.prepare_splits(str(imdb_dir), str(tmp_path / "cache"), load_tokenizer("tiny"), 32)
     finally:
         os.umask(previous)
+    kept_out = 0 if trusted else 0o022
     folders = [path, *(p for p in path.rglob("*") if p.is_dir())]
     files = [p for p in path.rglob("*") if p.is_file()]
-    assert {stat.S_IMODE(p.stat().st_mode) for p in folders} == {0o777 & ~umask}
-    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o666 & ~umask}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folders} == {0o777 & ~umask & ~kept_out}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o666 & ~umask & ~kept_out}
 
 
 def test_a_cache_the_user_may_not_read_is_one_line_naming_it_and_its_owner(imdb_dir, tmp_path, monkeypatch, capsys):
@@ -232,7 +237,7 @@ def test_the_inductor_cache_is_the_one_fastpt_names_even_after_dynamo_chose_its_
     assert cache_dir() == os.path.abspath(default_cache_dir())  # as after `import torch._dynamo` in a fresh process
     cfg = SimpleNamespace(compile=True, deterministic=False, tf32=False)
     backends.configure(cfg, torch.device("cpu"), tmp_path)
-    assert cache_dir() == str(tmp_path / "inductor")
+    assert cache_dir() == str(tmp_path / f"inductor-{os.getuid()}")  # each user's own, in a shared cache too
     backends.restore(cfg)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir())
 
@@ -259,4 +264,4 @@ def test_a_compile_run_compiles_with_torchs_cache_in_the_folder_fastpt_names(imd
 
     monkeypatch.setattr(torch, "compile", probe)
     assert main(short_run(imdb_dir, tmp_path / "cache", tmp_path / "run", "--compile")) == 0
-    assert seen and set(seen) == {str(tmp_path / "cache" / "inductor")}
+    assert seen and set(seen) == {str(tmp_path / "cache" / f"inductor-{os.getuid()}")}

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --pack: round each batch's token count up to a multiple of N "
                         "(few shapes for CUDA graphs); at most --max-length")
     g.add_argument("--pack-attention", default=None, type=kernel_name, choices=CHOICES["pack_attention"],
-                   help="with --pack: the attention kernel; auto (default): on a CPU the per-review loop; on CUDA "
+                   help="with --pack: the attention kernel; auto (default): on a CPU the per-text loop; on CUDA "
                         "FlashAttention's varlen (fp16/bf16), else loop (eager) or mask (compiled)")
     g.add_argument("--data-on-device", action="store_true",
                    help="keep the tokenised splits on the device and gather batches there (no workers, no copies)")

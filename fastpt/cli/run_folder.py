@@ -5,6 +5,11 @@ so two runs started into the same folder at the same instant cannot mix their fi
 proceeds, the other stops with status 2. The lock is the kernel's (flock): it dies with its
 process, so a killed run never leaves a folder locked.
 
+On a node shared with other users the folder is claimed only if it is yours and no one else can
+change it (files/trust.py's owner rule, unless FASTPT_TRUST_DIRS names it), and so is what a
+resume reads (checkpoints/, last.pt, best.pt); `.lock` is never opened through a symbolic link,
+and `--overwrite` never replaces what a symbolic link named by `--out` points to.
+
 Planning reads and writes nothing but the lock: what an earlier run left (`results.json`,
 `checkpoints/last.pt`, `config.json`) decides whether this run resumes it, starts again, or is
 refused. Only rank 0 reads the folder; its plan, or its error, reaches the other ranks over the
@@ -118,6 +123,22 @@ def choose_out(cfg: TrainConfig) -> Path:
     return Path("runs") / distributed.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
 
 
+def check_out_link(out: Path, overwrite: bool) -> None:
+    """--overwrite replaces the run in the folder --out names, never one that a symbolic link there points to."""
+    if overwrite and out.is_symlink():
+        raise ValueError(f"--out {out} is a symbolic link (to {os.readlink(out)}); --overwrite never replaces what a "
+                         f"link points to: give the run folder itself, or choose another --out")
+
+
+def check_owner(path: Path, what: str, advice: str = "choose another --out") -> None:
+    """ValueError unless path passes the owner rule (files/trust.py): the line says how to proceed."""
+    from fastpt.files import trust
+
+    refused = trust.refusal(path, what, advice)
+    if refused:
+        raise ValueError(refused)
+
+
 def is_default_out(cfg: TrainConfig) -> bool:
     """Whether choose_out named the folder (runs/<time>) rather than --out or --resume."""
     return not cfg.out and cfg.resume is None
@@ -138,12 +159,15 @@ class RunFolderLock:
     def acquire(self) -> "RunFolderLock":
         import fcntl
 
+        from fastpt.files import trust
+
         try:
             if self.new:
                 self._make_new_folder()
-            self.out.mkdir(parents=True, exist_ok=True)
+            self.out.mkdir(mode=trust.folder_mode(self.out), parents=True, exist_ok=True)
+            check_owner(self.out, "--out")
             while True:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = self._open_lock()
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -158,19 +182,47 @@ class RunFolderLock:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
             self.fd = fd
+        except ValueError:
+            self.release(keep=False)
+            raise
         except OSError as e:
             self.release(keep=False)
             raise ValueError(f"--out {self.out}: cannot write there ({e.strerror or e})") from None
         return self
 
+    def _open_lock(self) -> int:
+        """`.lock`, opened (created if missing) never through a symbolic link and only if it is a regular file
+        of this user's: its pid is written into it, so a link planted there would have that written over
+        another file."""
+        import errno
+
+        from fastpt.files import trust
+
+        try:
+            fd = trust.open_regular(self.path, os.O_RDWR | os.O_CREAT, trust.file_mode(self.path))
+        except OSError as e:
+            if e.errno != errno.ELOOP and not isinstance(e, trust.NotRegular):
+                raise
+            what = "a symbolic link" if e.errno == errno.ELOOP else trust.kind(os.lstat(self.path).st_mode)
+            raise ValueError(f"--out {self.out}: its {LOCK_NAME} is {what}, not a file fastpt made; fastpt never "
+                             f"writes through one: remove it if it is yours, or choose another --out") from None
+        try:
+            check_owner(self.path, "the lock file")
+        except ValueError:
+            os.close(fd)
+            raise
+        return fd
+
     def _make_new_folder(self) -> None:
         """out, or out-2, out-3, ...: the first that does not exist yet. mkdir is atomic, so runs
         started in the same second (the default folder's name) each get a folder of their own."""
+        from fastpt.files import trust
+
         self.out.parent.mkdir(parents=True, exist_ok=True)
         base, n = self.out, 1
         while True:
             try:
-                self.out.mkdir()
+                self.out.mkdir(mode=trust.folder_mode(self.out))
                 break
             except FileExistsError:
                 n += 1
@@ -272,6 +324,10 @@ def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     if resume_path is not None:
         if not resume_path.is_file():
             raise ValueError(f"--resume {cfg.resume}: no such checkpoint file")
+        # What a resume reads: another user's checkpoint, or one others could have changed, is not continued.
+        for path, what in ((resume_path.parent, "the checkpoint folder"), (resume_path, "the checkpoint"),
+                           (resume_path.parent / "best.pt", "the checkpoint")):
+            check_owner(path, what, "resume a run of your own")
         state = load_checkpoint(resume_path)
         check_resume_compatible(cfg, state, dist.world_size, resume_path)
         if finished and not cfg.overwrite and nothing_left(cfg, state):
@@ -384,8 +440,10 @@ def _fastpt_writes(relative: tuple[str, ...], is_dir: bool) -> bool:
 
 def _saved_config(out: Path) -> dict | None:
     """The run folder's config.json; None if missing, unreadable or not a JSON object."""
+    from fastpt.files import trust
+
     try:
-        saved = json.loads((out / "config.json").read_text())
+        saved = trust.read_json(out / "config.json")
     except (OSError, ValueError):
         return None
     return saved if isinstance(saved, dict) else None

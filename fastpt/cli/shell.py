@@ -116,6 +116,10 @@ class CommandLine:
         run_folder.check_output_folder(out, "--out")
         cache = token_cache.cache_root(cfg.cache_dir)
         run_folder.check_output_folder(cache, shared_cache.cache_setting(cfg.cache_dir))
+        run_folder.check_out_link(out, cfg.overwrite)
+        if cfg.compile:  # compiled kernels run as this user: only from a folder no one else can change
+            from fastpt.speedups.compile import check_compile_cache
+            check_compile_cache(cache)
         out, self.lock = run_folder.claim_out_dir(out, dist, new=run_folder.is_default_out(cfg))
         if cfg.export_dir:
             run_folder.check_export_dir(Path(cfg.export_dir), out, cfg.overwrite)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from fastpt.errors import CheckpointError, DiskFull, one_line
+from fastpt.files import trust
 
 
 EXPORT_MANIFEST = ".fastpt-export.json"  # in an --export-dir: the files fastpt wrote there
@@ -47,7 +48,7 @@ def write_atomic(path: Path, write) -> None:
     crash mid-write leaves the previous file intact, never a half-written one.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=trust.folder_mode(path.parent), parents=True, exist_ok=True)
     fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -78,15 +79,17 @@ def disk_full(e: BaseException | None) -> bool:
 
 
 def _create_temporary(path: Path) -> tuple[int, Path]:
-    """A new empty file beside `path`, with the permissions a plain `open` gives (0o666 less the umask).
+    """A new empty file beside `path`, of a random name created for this write alone (O_EXCL, as
+    `tempfile.mkstemp`: a name someone planted is never opened), with the permissions a plain `open`
+    gives less others' write (files/trust.py: 0o644 less the umask; 0o666 in a trusted folder).
 
-    Not `tempfile.mkstemp`: its mode 0o600 would survive the rename, and teammates on a shared file
-    system could not read results.json or best.pt.
+    Not `tempfile.mkstemp` itself: its mode 0o600 would survive the rename, and teammates on a shared
+    file system could not read results.json or best.pt.
     """
     while True:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, trust.file_mode(path)), tmp
         except FileExistsError:
             continue
 
@@ -101,7 +104,7 @@ def temporary_of(name: str) -> str | None:
 
 
 def plain_file_mode(folder: Path) -> int:
-    """The permission bits a plain `open` gives a new file in folder: 0o666 less the umask (and any default ACL)."""
+    """The permission bits a run file gets in folder: `_create_temporary`'s (and any default ACL's)."""
     fd, tmp = _create_temporary(folder / "mode")
     try:
         return stat.S_IMODE(os.fstat(fd).st_mode)

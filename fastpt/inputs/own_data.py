@@ -31,7 +31,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +41,7 @@ import numpy as np
 from fastpt.inputs import token_cache
 from fastpt.inputs.columns import check_label_flags, check_texts, label_ids, read_labels, resolve_columns
 from fastpt.inputs.tables import file_kind, read_file, read_source
-from fastpt.files import shared_cache
+from fastpt.files import shared_cache, trust
 from fastpt.errors import DataError, DiskFull
 
 
@@ -131,6 +133,8 @@ def _content_fingerprint(source: str) -> str:
 
 
 def cache_key(cfg, tokenizer) -> str:
+    for source, flag in ((cfg.data, "--data"), (cfg.val_data, "--val-data"), (cfg.test_data, "--test-data")):
+        check_source_kind(source, flag)  # before the fingerprint reads it: a FIFO would block, /dev/zero never end
     parts = {
         "version": CACHE_VERSION,
         "data": [_content_fingerprint(s) if s else None for s in (cfg.data, cfg.val_data, cfg.test_data)],
@@ -143,6 +147,17 @@ def cache_key(cfg, tokenizer) -> str:
         "max_length": built_length(cfg),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def check_source_kind(source, flag: str) -> None:
+    """DataError unless a local source is a regular file or a folder (after its symbolic links)."""
+    try:
+        mode = os.stat(source).st_mode if source else None
+    except OSError:
+        return  # not a local path (a Hub name), or missing: read_source says which
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise DataError(f"{flag} {source} is {trust.kind(mode)}, not a file or folder: fastpt reads data only from "
+                        f"regular files (a FIFO would wait for a writer, a device never end)")
 
 
 def built_length(cfg) -> int:
@@ -186,7 +201,7 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
 
 def reading_notes(cache_path: Path) -> list:
     """What reading the data changed or noticed, one line each, kept with its cache (said on every run)."""
-    return json.loads((Path(cache_path) / META).read_text()).get("notes", [])
+    return trust.read_json(Path(cache_path) / META).get("notes", [])
 
 
 def prepare_own_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj], builder: int = 0):
@@ -206,7 +221,7 @@ def prepare_own_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [
     keep_last = token_cache.ends_with_special_token(tokenizer) and not cfg.text_pair_column
     with shared_cache.reported(path):
         splits = token_cache.load_cache(path, cfg.max_length, keep_last)  # verified against its digest
-        meta = json.loads((path / META).read_text())
+        meta = trust.read_json(path / META)
     origin = as_given(meta["splits"], meta["built_from"], [cfg.data, cfg.val_data, cfg.test_data])
     return splits, path, meta["label_names"], origin
 

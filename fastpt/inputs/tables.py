@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from fastpt.errors import DataError
+from fastpt.files import trust
 
 FILE_KINDS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
               ".parquet": "parquet"}
@@ -73,8 +74,9 @@ def file_kind(path: Path) -> str:
 def read_file(path: Path) -> Table:
     """A .csv / .tsv / .jsonl / .parquet file as a Table; DataError with the file and line if malformed."""
     kind = file_kind(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
+    if not path.is_file():  # a FIFO would block the read, /dev/zero never end it
+        raise DataError(f"{path} is {trust.kind(path.stat().st_mode)}, not a regular file" if path.exists()
+                        else f"{path}: no such file")
     try:
         if kind in ("csv", "tsv"):
             return _read_csv(path, kind)

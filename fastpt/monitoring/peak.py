@@ -13,8 +13,9 @@ What it costs: about a second, once per machine: the figure is cached as JSON un
 folder (`<cache dir>/peak/`), keyed by the CPU (model and flags), torch's version, the thread
 count, ranks per host, the precision and the shapes. The file records the shapes and each
 shape's rate next to the peak, so a reader sees what was measured. A file another user wrote,
-or one that does not parse, is measured again (a wrong peak would only mislead, but nothing in
-a shared folder is trusted).
+one in a folder others can change, or one that does not parse, is measured again (a wrong peak
+would only mislead, but nothing in a shared folder is trusted), and the cache is written the
+way a shared folder needs (`write_cached`: no name someone else chose is ever written through).
 
 This is an achieved peak, not a datasheet one: MFU against it says how much of what this
 machine's matmuls reach the step uses, which is the question a CPU run asks.
@@ -26,15 +27,19 @@ import hashlib
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from fastpt.files import trust
+
 SQUARE = 2048
 PROBE_S = 0.25  # seconds per timing; the best of three timings per shape
 CALIBRATION_ROWS = 32  # the first, small product: how fast this precision is on this device
+CACHE_LIMIT = 1 << 20  # bytes: a cached figure is a few hundred
 
 
 def cpu_identity() -> dict:
@@ -125,11 +130,13 @@ def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_r
 
 def read_cached(path: Path, key: dict) -> Optional[dict]:
     """The cached JSON object if this user wrote it, it parses and it was measured for exactly `key`
-    (the caller checks its figures). JSON only: reading a cache never runs code."""
+    (the caller checks its figures). JSON only: reading a cache never runs code. A symbolic link, a
+    FIFO or a device at the cache's name (none of them written here) is never read: it would hang the
+    run or fill its memory."""
     try:
-        if path.stat().st_uid != os.getuid():
+        if trust.problem(path.parent) is not None or path.lstat().st_uid != os.getuid():
             return None
-        found = json.loads(path.read_text())
+        found = trust.read_json(path, CACHE_LIMIT)
         if not isinstance(found, dict) or found.get("key") != json.loads(json.dumps(key)):
             return None
         return found
@@ -149,11 +156,21 @@ def cache_path(cache_root: Path, folder: str, key: dict) -> Path:
 
 
 def write_cached(path: Path, found: dict) -> None:
-    """Atomically (ranks may write the same file at once); a cache that cannot be written is skipped."""
+    """Atomically (ranks may write the same file at once), through a temporary file of a random name
+    created for this write alone (mkstemp: O_EXCL), renamed over the cache's name: a symbolic link
+    someone left at either name is replaced, never written through. Skipped where the folder is not
+    this user's alone (files/trust.py), or cannot be written."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(found, indent=1))
-        os.replace(tmp, path)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if trust.problem(path.parent) is not None:
+            return
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(found, indent=1))
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except OSError:
         pass

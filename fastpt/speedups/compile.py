@@ -85,8 +85,13 @@ What a compiled run sets while it lasts (`compiled_run_settings`, undone by `res
   with the same graphs skips Inductor (the FX graph cache) and, if the graph qualifies,
   AOTAutograd's tracing and partitioning of the backward (the AOTAutograd cache); Dynamo still
   traces the Python code each run. results.json's `compile_cache` counts both caches' hits,
-  misses and bypasses. fastpt keeps them in `<cache dir>/inductor` (the token cache's folder,
-  `$FASTPT_CACHE_DIR` or `~/.cache/fastpt`) unless `TORCHINDUCTOR_CACHE_DIR` is already set.
+  misses and bypasses. fastpt keeps them in `<cache dir>/inductor-<uid>` (in the token cache's
+  folder, `$FASTPT_CACHE_DIR` or `~/.cache/fastpt`) unless `TORCHINDUCTOR_CACHE_DIR` is already
+  set. Those kernels are shared objects and Python modules that the run loads and executes, so
+  they are kept where only this user can write, even when the cache folder is shared: a folder of
+  this user's own (mode 0700), and no folder above it may be changed by another user either
+  (`check_compile_cache`, files/trust.py's rule, of which FASTPT_TRUST_DIRS can lift only the part
+  above the cache folder). Otherwise the run stops with one line before it starts.
   Inductor reads the variable each time it needs the folder (`torch._inductor.runtime.
   cache_dir_utils.cache_dir`), but that function also writes its default,
   `/tmp/torchinductor_<user>`, into the variable, and importing `torch._dynamo` calls it: so by
@@ -243,13 +248,34 @@ def restore_settings() -> None:
 
 def compile_cache_dir(cache_root: Path) -> str:
     """Where Inductor caches this run's kernels: TORCHINDUCTOR_CACHE_DIR if the user chose it, else
-    <cache root>/inductor."""
+    <cache root>/inductor-<uid>: each user's own, also in a cache folder a team shares."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):  # torch's own default
-        return str(cache_root / "inductor")
+        return str(cache_root / f"inductor-{os.getuid()}")
     return chosen
+
+
+def check_compile_cache(cache_root: Path) -> None:
+    """Create this user's compile cache (0700) if needed; ValueError, before the run starts, if it or a
+    folder above it is another user's or can be changed by others: the kernels there would run as this user.
+    A folder the user chose (TORCHINDUCTOR_CACHE_DIR) is theirs to vouch for."""
+    from fastpt.files import trust
+
+    folder = Path(compile_cache_dir(cache_root))
+    if folder != cache_root / f"inductor-{os.getuid()}":
+        return
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the compile cache {folder}: {e.strerror or e}") from None
+    own = trust.problem(folder)  # the kernels' own folder: this user's, trusted folder or not
+    found = f"{folder} {own}" if own else trust.chain_problem(folder.parent)
+    if found is not None:
+        raise ValueError(f"refused the compile cache {folder}: {found}; compiled kernels run as you, so fastpt keeps "
+                         f"them only where no one else can change them. Set TORCHINDUCTOR_CACHE_DIR to a folder of "
+                         f"your own, or choose another --cache-dir")
 
 
 def _chunked_sum_without_guard(on: bool) -> None:
