@@ -28,21 +28,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastpt.config import LATER_SETTINGS, RESUME_SENSITIVE, TrainConfig
+from fastpt.cli.resume_check import a_few, check_resume_compatible, compare_settings, nothing_left, saved_config
+from fastpt.cli.run_files import MARKER, RUN_FILES, remove_stale_temporaries, removable
+from fastpt.cli.run_lock import RunFolderLock, check_owner
+from fastpt.config import TrainConfig
 
 
-TOP_FILES = ("config.json", "results.json", "predictions.csv")  # the files a run writes at its folder's top
-RUN_FILES = (*TOP_FILES, "checkpoints", "tb")
-
-
-LOCK_NAME = ".lock"
-MARKER = ".fastpt-run.json"  # the run folder's first file: fastpt wrote what is here
-TB_EVENTS = re.compile(r"events\.out\.tfevents\..+")  # SummaryWriter's files, in tb/ and tb/hparams/
 
 
 class RunFinished(Exception):
@@ -96,16 +91,11 @@ def check_export_dir(path: Path, out: Path, overwrite: bool) -> None:
     foreign = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in path.iterdir()
                      if p.name not in ours or p.is_symlink() or not p.is_file())
     if foreign:
-        raise ValueError(f"--export-dir {path} holds {_a_few(foreign)}, not written by a fastpt export; "
+        raise ValueError(f"--export-dir {path} holds {a_few(foreign)}, not written by a fastpt export; "
                          f"choose another folder (--overwrite replaces only an earlier export's own files)")
     if not overwrite:
         raise ValueError(f"--export-dir {path} holds an earlier export; pass --overwrite to replace it, "
                          f"or choose another folder")
-
-
-def _a_few(names: list[str], shown: int = 3) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 def run_folder_of(checkpoint_path: Path) -> Path:
@@ -130,117 +120,9 @@ def check_out_link(out: Path, overwrite: bool) -> None:
                          f"link points to: give the run folder itself, or choose another --out")
 
 
-def check_owner(path: Path, what: str, advice: str = "choose another --out") -> None:
-    """ValueError unless path passes the owner rule (files/trust.py): the line says how to proceed."""
-    from fastpt.files import trust
-
-    refused = trust.refusal(path, what, advice)
-    if refused:
-        raise ValueError(refused)
-
-
 def is_default_out(cfg: TrainConfig) -> bool:
     """Whether choose_out named the folder (runs/<time>) rather than --out or --resume."""
     return not cfg.out and cfg.resume is None
-
-
-class RunFolderLock:
-    """`<out>/.lock`, exclusively flock-ed by the one run that writes in `out`.
-
-    The folder (and any missing parent) is created to hold the lock; `release(keep=False)` removes
-    what was created, so a refused run leaves no trace. The file is removed on release, while
-    still locked; a run that opened it just before then finds it replaced and locks the new one.
-    """
-
-    def __init__(self, out: Path, new: bool = False):
-        self.out, self.path, self.fd, self.new = out, out / LOCK_NAME, None, new
-        self.created = [p for p in (out, *out.parents) if not p.exists()]
-
-    def acquire(self) -> "RunFolderLock":
-        import fcntl
-
-        from fastpt.files import trust
-
-        try:
-            if self.new:
-                self._make_new_folder()
-            self.out.mkdir(mode=trust.folder_mode(self.out), parents=True, exist_ok=True)
-            check_owner(self.out, "--out")
-            while True:
-                fd = self._open_lock()
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-                    os.close(fd)
-                    self.release(keep=False)
-                    raise ValueError(f"--out {self.out} is in use by another run (process {holder}); "
-                                     f"wait for it or choose another folder") from None
-                if self.path.exists() and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                    break
-                os.close(fd)  # the previous holder removed the file after we opened it: lock the new one
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-            self.fd = fd
-        except ValueError:
-            self.release(keep=False)
-            raise
-        except OSError as e:
-            self.release(keep=False)
-            raise ValueError(f"--out {self.out}: cannot write there ({e.strerror or e})") from None
-        return self
-
-    def _open_lock(self) -> int:
-        """`.lock`, opened (created if missing) never through a symbolic link and only if it is a regular file
-        of this user's: its pid is written into it, so a link planted there would have that written over
-        another file."""
-        import errno
-
-        from fastpt.files import trust
-
-        try:
-            fd = trust.open_regular(self.path, os.O_RDWR | os.O_CREAT, trust.file_mode(self.path))
-        except OSError as e:
-            if e.errno != errno.ELOOP and not isinstance(e, trust.NotRegular):
-                raise
-            what = "a symbolic link" if e.errno == errno.ELOOP else trust.kind(os.lstat(self.path).st_mode)
-            raise ValueError(f"--out {self.out}: its {LOCK_NAME} is {what}, not a file fastpt made; fastpt never "
-                             f"writes through one: remove it if it is yours, or choose another --out") from None
-        try:
-            check_owner(self.path, "the lock file")
-        except ValueError:
-            os.close(fd)
-            raise
-        return fd
-
-    def _make_new_folder(self) -> None:
-        """out, or out-2, out-3, ...: the first that does not exist yet. mkdir is atomic, so runs
-        started in the same second (the default folder's name) each get a folder of their own."""
-        from fastpt.files import trust
-
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        base, n = self.out, 1
-        while True:
-            try:
-                self.out.mkdir(mode=trust.folder_mode(self.out))
-                break
-            except FileExistsError:
-                n += 1
-                self.out = base.with_name(f"{base.name}-{n}")
-        self.path = self.out / LOCK_NAME
-        self.created = [self.out, *(p for p in self.created if p != base)]  # deepest first
-
-    def release(self, keep: bool = True) -> None:
-        if self.fd is not None:
-            self.path.unlink(missing_ok=True)
-            os.close(self.fd)
-            self.fd = None
-        if not keep:
-            for folder in self.created:  # deepest first
-                try:
-                    folder.rmdir()
-                except OSError:
-                    break
 
 
 def claim_out_dir(out: Path, dist, new: bool = False) -> tuple[Path, RunFolderLock | None]:
@@ -260,20 +142,6 @@ def claim_out_dir(out: Path, dist, new: bool = False) -> tuple[Path, RunFolderLo
     if status == "error":
         raise ValueError(value)
     return Path(value), lock
-
-
-def remove_stale_temporaries(out: Path) -> None:
-    """The half-written files of a run killed mid-save (`.last.pt.<hex>.tmp`): under the lock, no run
-    is writing them. Only regular files named after a file fastpt writes there are removed."""
-    from fastpt.files.checkpoint import temporary_of
-
-    written_by_fastpt = {out: (*TOP_FILES, MARKER), out / "checkpoints": ("best.pt", "last.pt")}
-    for folder, names in written_by_fastpt.items():
-        if not folder.is_dir():
-            continue
-        for path in folder.iterdir():
-            if temporary_of(path.name) in names and path.is_file() and not path.is_symlink():
-                path.unlink(missing_ok=True)
 
 
 def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
@@ -333,7 +201,7 @@ def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
         if finished and not cfg.overwrite and nothing_left(cfg, state):
             raise RunFinished(f"the run in {out} is finished (results.json); nothing to do "
                               f"(--overwrite without --resume trains it again)")
-        saved = _saved_config(out)
+        saved = saved_config(out)
         return OutPlan(out, resume_state=state, data_key=(saved or {}).get("data_key"))
     existing = [name for name in RUN_FILES if os.path.lexists(out / name)]
     if not existing:
@@ -351,7 +219,7 @@ def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
             more = "" if cfg.resume else ", --resume auto to continue it"
         raise ValueError(f"--out {out} holds {what}; pass --overwrite to replace it{more}, "
                          f"or choose another folder")
-    return OutPlan(out, to_clear=to_clear, data_key=_saved_config(out).get("data_key") if restart else None)
+    return OutPlan(out, to_clear=to_clear, data_key=saved_config(out).get("data_key") if restart else None)
 
 
 def finished_run(out: Path, overwrite: bool) -> bool:
@@ -376,185 +244,14 @@ def finished_run(out: Path, overwrite: bool) -> bool:
     return True
 
 
-def removable(out: Path) -> list[str]:
-    """Everything --overwrite removes from the run folder, every file before its folder; ValueError,
-    before anything is removed, unless all of it is fastpt's.
-
-    fastpt's: the folder has the marker (or, a run from before the marker, a config.json with
-    fastpt's settings), and everything in the run's places is what fastpt writes there: config.json,
-    results.json, predictions.csv, checkpoints/{best,last}.pt, checkpoints/deepspeed/ (DeepSpeed's own
-    layout), tb/'s event files, their temporaries. A symbolic link there is never followed nor removed. Files
-    beside those (a log that a script keeps in the run folder, notes) are left where they are.
-    """
-    from fastpt.files.checkpoint import temporary_of
-
-    paths, foreign = [], []
-    for entry in sorted(out.iterdir()):
-        if entry.name in (LOCK_NAME, MARKER) and entry.is_file() and not entry.is_symlink():
-            continue  # kept: the lock is held, the marker stays true
-        if entry.name not in RUN_FILES and temporary_of(entry.name) not in (*TOP_FILES, MARKER):
-            continue  # beside the run, not in its places (a script's log): kept, neither removed nor followed
-        _walk(out, entry, paths, foreign)
-    if foreign:
-        raise ValueError(f"--out {out} holds {_a_few(foreign)}, not written by fastpt; --overwrite removes only a "
-                         f"fastpt run's files: move them away or choose another folder")
-    if not (out / MARKER).is_file() and not _is_fastpt_config(_saved_config(out)):
-        raise ValueError(f"--out {out} is not a fastpt run folder (no {MARKER}, no config.json of fastpt's); "
-                         f"--overwrite removes only a fastpt run's files: choose another folder")
-    return paths
-
-
-def _walk(out: Path, path: Path, paths: list[str], foreign: list[str]) -> None:
-    """Collect path (and below it) into paths if fastpt writes it, else its name into foreign."""
-    relative = path.relative_to(out).parts
-    if path.is_symlink():
-        raise ValueError(f"--out {out} holds a symbolic link fastpt did not make, {path.relative_to(out)}; "
-                         f"--overwrite never follows or removes one: move it away or choose another folder")
-    if not _fastpt_writes(relative, path.is_dir()):
-        foreign.append("/".join(relative) + ("/" if path.is_dir() else ""))
-        return
-    if path.is_dir():
-        for child in sorted(path.iterdir()):
-            _walk(out, child, paths, foreign)
-    paths.append("/".join(relative))
-
-
-def _fastpt_writes(relative: tuple[str, ...], is_dir: bool) -> bool:
-    """Whether a run writes this path (relative to the run folder)."""
-    from fastpt.files.checkpoint import temporary_of
-
-    top, name = relative[0], relative[-1]
-    if len(relative) == 1:
-        if is_dir:
-            return top in ("checkpoints", "tb")
-        return top in TOP_FILES or temporary_of(top) in (*TOP_FILES, MARKER)
-    if top == "checkpoints":
-        if relative[1] == "deepspeed":
-            return True
-        return len(relative) == 2 and not is_dir and (name in ("best.pt", "last.pt")
-                                                      or temporary_of(name) in ("best.pt", "last.pt"))
-    if top == "tb":
-        return is_dir or TB_EVENTS.fullmatch(name) is not None
-    return False
-
-
-def _saved_config(out: Path) -> dict | None:
-    """The run folder's config.json; None if missing, unreadable or not a JSON object."""
-    from fastpt.files import trust
-
-    try:
-        saved = trust.read_json(out / "config.json")
-    except (OSError, ValueError):
-        return None
-    return saved if isinstance(saved, dict) else None
-
-
-def _is_fastpt_config(saved: dict | None) -> bool:
-    """A config.json that fastpt wrote: every setting a resume compares, and the number of processes."""
-    return saved is not None and {*RESUME_SENSITIVE, "world_size"} - {*LATER_SETTINGS} <= saved.keys()
-
-
-def nothing_left(cfg: TrainConfig, state: dict) -> bool:
-    """Whether the checkpointed run has already done all these flags ask for."""
-    progress, early = state["progress"], state.get("early_stopping") or {}
-    return (bool(early.get("stopped")) or progress["epoch"] >= cfg.epochs
-            or (cfg.max_steps is not None and progress["global_step"] >= cfg.max_steps))
-
-
 def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
     """--resume auto over a folder with no checkpoint: start again only if it is this run."""
-    saved = _saved_config(out)
+    saved = saved_config(out)
     if saved is None:
         what = "pass --overwrite to replace it" if (out / MARKER).is_file() else "choose another folder"
         raise ValueError(f"--out {out} holds files of a run without a readable config.json (a JSON object) and "
                          f"no checkpoints/last.pt to resume; {what}")
-    _compare_settings(cfg, saved, world_size, f"cannot continue the run in {out}")
-
-
-def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path: Path) -> None:
-    from fastpt.cluster import resize
-    from fastpt.errors import CheckpointError
-
-    if not isinstance(state, dict) or not {"progress", "config", "training", "per_rank"} <= state.keys():
-        raise CheckpointError(f"{path} is not a fastpt last.pt checkpoint")
-    _compare_settings(cfg, {**state["config"], "world_size": state.get("world_size")}, world_size,
-                      f"cannot resume from {path}", batch_size_flag=resize.batch_size_flag(state))
-    if cfg.strategy == "deepspeed":  # last.pt names a folder of DeepSpeed pickles: checked before any work
-        from fastpt.strategies.deepspeed_checkpoint import check_resume
-        check_resume(state["training"], path.parent)
-
-
-def _compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: str,
-                      batch_size_flag: int | None = None) -> None:
-    """CheckpointError naming the first setting that differs from the saved run's.
-
-    With a checkpoint (batch_size_flag given) the number of processes may change (resize.py), and
-    --batch-size may then be the one the run was started with or one that keeps the global batch.
-    """
-    from fastpt.cluster import resize
-    from fastpt.errors import CheckpointError
-
-    resuming = batch_size_flag is not None
-    for name in RESUME_SENSITIVE:
-        if name == "batch_size" and resuming and resize.accepts_batch_size(
-                cfg.batch_size, saved["batch_size"], batch_size_flag, saved.get("world_size"), world_size):
-            continue
-        was = saved.get(name, getattr(TrainConfig, name)) if name in LATER_SETTINGS else saved.get(name)
-        if was != getattr(cfg, name):
-            raise CheckpointError(f"{context}: --{name.replace('_', '-')} was {_shown(was)}, "
-                                  f"now {_shown(getattr(cfg, name))}")
-    if saved.get("world_size") != world_size and not resuming:
-        raise CheckpointError(f"{context}: it was written by {saved.get('world_size')} process(es), "
-                              f"this run has {world_size}")
-
-
-def _shown(value) -> str:
-    """A setting's value in a message: "unset" for a flag not given (None), else as Python writes it."""
-    return "unset" if value is None else repr(value)
-
-
-def data_key(inputs) -> str:
-    """The data's identity: the name of its token cache, keyed by the data's content (token_cache.py, own_data.py)."""
-    return Path(inputs.cache_path).name
-
-
-def check_same_data(plan: OutPlan, cfg: TrainConfig, inputs) -> None:
-    """A resume continues on the data it started on, into the model it started with; CheckpointError
-    otherwise, before anything is written (config.json included).
-
-    The same path with other rows, or a new class, is other data: its content key differs from the
-    one config.json recorded. Runs from before the key still have their labels and weights compared.
-    """
-    import torch
-
-    from fastpt.errors import CheckpointError
-
-    where = f"cannot continue the run in {plan.out}"
-    if plan.data_key is not None and plan.data_key != data_key(inputs):
-        raise CheckpointError(f"{where}: its data changed since it started (content key {plan.data_key}, now "
-                              f"{data_key(inputs)}); a resume trains on the same data: choose another --out")
-    state = plan.resume_state
-    if not state:
-        return
-    saved_labels = state["config"].get("label_names")
-    if saved_labels is not None and list(saved_labels) != list(inputs.label_names):
-        raise CheckpointError(f"{where}: it was trained on the labels {saved_labels}, now they are "
-                              f"{inputs.label_names} (the data's, or --label-names); resume with the same, or choose "
-                              f"another --out")
-    weights = state["training"].get("model") if isinstance(state["training"], dict) else None
-    if weights is None:
-        return  # DeepSpeed keeps the weights in its own files (checkpoints/deepspeed)
-    model = inputs.model.state_dict()
-    if not isinstance(weights, dict) or weights.keys() != model.keys():
-        missing = sorted(model.keys() - (weights.keys() if isinstance(weights, dict) else set()))
-        raise CheckpointError(f"{where}: its last.pt does not hold this model's weights "
-                              f"({_a_few(missing) or 'other names'} missing)")
-    for name, tensor in model.items():
-        saved = weights[name]
-        if not torch.is_tensor(saved) or saved.shape != tensor.shape:
-            shape = list(saved.shape) if torch.is_tensor(saved) else type(saved).__name__
-            raise CheckpointError(f"{where}: its last.pt's {name} is {shape}, this model's is {list(tensor.shape)} "
-                                  f"(a last.pt of another model or data); choose another --out")
+    compare_settings(cfg, saved, world_size, f"cannot continue the run in {out}")
 
 
 def start_out_dir(plan: OutPlan, config: dict, dist, data_key: str | None = None) -> None:

@@ -138,18 +138,18 @@ class CommandLine:
     def start_run(self, inputs) -> TrainConfig:
         """A resume's data and weights checked against last.pt's, what differs from what the flags suggest
         (one line each), then the run folder's first write. The config, with IMDB's folder as loading found it."""
-        from fastpt.cli import run_folder
+        from fastpt.cli import resume_check, run_folder
         from fastpt.loop.build import saved_config
 
         cfg, dist = self.cfg, self.dist
         if not cfg.data and not cfg.data_dir:  # where loading found (or put) the data
             self.cfg = cfg = dataclasses.replace(cfg, data_dir=str(Path("data").resolve()))
-        run_folder.check_same_data(self.plan, cfg, inputs)  # a resume on changed data: refused, nothing written
+        resume_check.check_same_data(self.plan, cfg, inputs)  # a resume on changed data: refused, nothing written
         if dist.is_main:
             for line in self.notes + notes(cfg, dist, inputs):
                 print(line, file=sys.stderr)
         self.started = True
-        run_folder.start_out_dir(self.plan, saved_config(cfg, inputs), dist, run_folder.data_key(inputs))
+        run_folder.start_out_dir(self.plan, saved_config(cfg, inputs), dist, resume_check.data_key(inputs))
         return cfg
 
     @contextlib.contextmanager
