@@ -50,7 +50,8 @@ Skip these on a first read, the machinery a real run needs:
     monitoring/  what a run reports: metrics (throughput, MFU, memory), peak (the device's measured
                  FLOP/s), tracking (console, TensorBoard)
     cli/         the command line: args (flags), shell (the command's steps, exit statuses), preflight (checks,
-                 the resolved config, notes), run_folder (lock, resume plan), outputs (what a run writes once
+                 the resolved config, notes), run_folder (the resume plan; run_lock its lock, run_files what it
+                 holds, resume_check what a resume must match), outputs (what a run writes once
                  it has tested: results.json, predictions.csv, the export), predictions (that file's
                  columns), predict (the fastpt-predict command)
 
