@@ -23,7 +23,7 @@ and, with one FASTPT_CACHE_DIR for a team, by other users. What that takes:
   the SHA-256 of every file (`fastpt_digest.json`) and every load recomputes them (`verify`): a
   cache changed afterwards (labels rewritten, say) is refused with one line, not trained on.
   Hashing is cheap next to loading: the 50,000 reviews' 54 MB in 0.14 s, of a 2.9 s load
-  (scripts/cache_digest.py, 2 shared CPU cores). In a trusted folder the digest is all there
+  (2 shared CPU cores; docs/results.md). In a trusted folder the digest is all there
   is: someone able to write there who also rewrites the digest goes unnoticed, so trust a
   folder only if you would train on the builds of everyone who can write it;
 - one line for every failure (`reported`): a full disk (status 1), a folder closed to this user

@@ -11,7 +11,7 @@ the computed tokens real; padding random batches of 12 to their longest, 53.1%; 
 batches, 98.4% (`scripts/bench_single.py` prints these), so each epoch does about half the work.
 
 What it costs: batches are no longer i.i.d. samples of the data: neighbours in length share
-a batch. `scripts/bucket_accuracy.py` measured the effect on 2,000 real reviews (MiniLM,
+a batch. A one-off measurement (docs/results.md) took 2,000 real reviews (MiniLM,
 256 tokens, 2 epochs, three seeds; scripts/results/bucket-accuracy-cpu.md). After two epochs
 the test accuracy is within noise of random batches (-0.07 +- 0.55 points). The first epoch,
 though, learns more slowly: validation accuracy was lower for every seed, once by 20 points.

@@ -33,7 +33,7 @@ The two scopes: what is compiled, and when each applies
   layer's graph serves every layer: Dynamo traces and Inductor compiles one layer, not the
   stack, so the cold compile does not grow with depth (MiniLM's 6 layers on a 2-core AVX2 EPYC:
   17 s of compiling against the whole step's 52 s, at the same step time;
-  scripts/results/compile-cache-cpu.md, from `scripts/compile_cache.py`). The layers hold
+  scripts/results/compile-cache-cpu.md; `scripts/bench_single.py compile-cache` measures it). The layers hold
   nearly all of a step's work (matmuls, attention); what is lost is fusion across layer
   boundaries. Where: `Strategy.wrap` (strategies/base.py) on one device; DDP compiles the
   layers, then wraps the model (strategies/ddp.py); FSDP compiles each layer, then shards it
@@ -119,7 +119,7 @@ What a compiled run sets while it lasts (`compiled_run_settings`, undone by `res
   sum) and adds no guard (`_chunked_sum_without_guard`).
 - On a CPU, dropout masks: Inductor draws its own random numbers inside its kernels unless
   `torch._inductor.config.fallback_random` is on, and on a CPU its own were 2-3x slower than
-  eager's `bernoulli_` (scripts/results/dropout-masks-cpu.md). It is on: the graph calls
+  eager's `bernoulli_` (docs/results.md, 'Questions answered'). It is on: the graph calls
   `bernoulli_` as eager does, in the same order from the same generator, so a compiled run draws
   the masks an eager one would (tests/test_speedups.py compares the two steps with dropout on).
   On CUDA Inductor's own (Philox, in the kernel) stay.

@@ -13,7 +13,7 @@ The attention kernels (`KERNELS`), all exact; `--pack-attention` picks one (auto
 - "mask": SDPA on the whole stream with a block-diagonal mask built on the device from
   `cu_seqlens`. O(T^2) work and memory, but no host read and no data-dependent shape: a CUDA
   graph compiled in fp32 (where varlen has no kernel) uses it.
-Measured on an idle 2-core AMD EPYC (`python scripts/packing_kernels.py`): one attention call,
+Measured on an idle 2-core AMD EPYC (a one-off script since removed; docs/results.md): one attention call,
 forward + backward, fp32, 12 heads of 32, 12 reviews of IMDB-like lengths (mean 266, longest
 501): loop 51 ms, mask 0.49 s (3,198^2 scores per head), padded to 512 with a mask 0.18 s. SDPA
 on a nested jagged tensor (`torch.nested`, layout=torch.jagged), a fifth way, took 1.4 s: torch
