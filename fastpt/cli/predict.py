@@ -121,8 +121,8 @@ def load_trained(folder: Path, which: str | None):
             raise ModelError(f"cannot load the model in {folder}: {one_line(e, limit=200)}") from None
         names = [str(model.config.id2label[i]) for i in range(model.config.num_labels)]
         limit = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", 512))
-        return model, tokenizer, names, {"max_length": limit, "data_label_names": getattr(
-            model.config, "fastpt_data_label_names", None)}
+        return model, tokenizer, names, {"max_length": limit,
+                                         "data_label_names": getattr(model.config, "fastpt_data_label_names", None)}
     raise ModelError(f"--model {folder} is neither an export folder (config.json and weights, from --export-dir) "
                      f"nor a run folder ({MARKER}, checkpoints/best.pt)")
 
@@ -140,9 +140,8 @@ def read_texts(args, run: dict, names: list):
                                   name in table.columns for name in accepted_names(label, table.columns))
                               else None)
     resolve_columns(table, columns, training=True)  # table.use: each flag's column in this file
-    check_texts(table, table.use["text"])
-    if columns.text_pair_column:
-        check_texts(table, table.use["pair"])
+    for use in ("text", "pair") if columns.text_pair_column else ("text",):
+        check_texts(table, table.use[use])
     if columns.label_column is None:
         return table, columns, None
     read_labels(table, table.use["label"])
