@@ -223,8 +223,7 @@ RANK_0_FIRST_S = 3.0
 
 def exit_process(status: int) -> None:
     """sys.exit(status); a torchrun worker leaves with os._exit instead (distributed.leave says why)."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    if status in (EXIT_BAD_INPUT, EXIT_STOPPED) and rank != "0":
+    if status in (EXIT_BAD_INPUT, EXIT_STOPPED) and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         # torchrun (and srun --kill-on-bad-exit) stops every worker once one has exited. Bad input
         # that each rank finds by itself (a flag, a config file) and a stop are printed by rank 0
         # alone: the others give it time to say it.
