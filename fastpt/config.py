@@ -152,16 +152,10 @@ class TrainConfig:
 
     def _check_optimisation(self) -> None:
         """--weight-decay, the warmup, --class-weights and --label-names (parsed here from their comma lists)."""
-        if self.weight_decay < 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.weight_decay and self.optimizer != "adamw":
-            raise ValueError("--weight-decay needs --optimizer adamw")
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("--warmup-ratio and --warmup-steps both set the warmup; give one of them")
         if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"--warmup-ratio must be between 0 and 1, got {self.warmup_ratio}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if isinstance(self.class_weights, str) and self.class_weights != "balanced":
             self.class_weights = parse_class_weights(self.class_weights)
         elif isinstance(self.class_weights, (list, tuple)):

@@ -41,6 +41,7 @@ NEEDS = {
     "fsdp_reshard_after_forward": ("--fsdp", lambda c: c.get("strategy") == "fsdp"),
     "min_delta": ("--early-stopping-patience", lambda c: c.get("early_stopping_patience") is not None),
     "weight_decay": ("--optimizer adamw", lambda c: c.get("optimizer") == "adamw"),
+    "pack_multiple": ("--pack", lambda c: c.get("pack")),
     # Your own data (fastpt/inputs/own_data.py): these describe the table --data names.
     **{name: ("--data", lambda c: c.get("data")) for name in (
         "val_data", "test_data", "text_column", "text_pair_column", "label_column", "val_fraction",
@@ -49,11 +50,10 @@ NEEDS = {
 
 # Settings that change what a checkpoint holds: resuming with any of them changed is refused.
 RESUME_SENSITIVE = (
-    "model", "random_init", "max_length", "batch_size", "lr", "seed", "grad_accum",
-    "train_size", "strategy", "amp", "amp_dtype", "zero_stage", "bucket", "pad_to", "pack",
-    "data", "val_data", "test_data", "text_column", "text_pair_column", "label_column", "val_fraction",
-    "test_fraction", "split_seed", "optimizer", "weight_decay", "lr_schedule", "warmup_ratio", "warmup_steps",
-    "class_weights",
+    "model", "random_init", "max_length", "batch_size", "lr", "seed", "grad_accum", "train_size", "strategy", "amp",
+    "amp_dtype", "zero_stage", "bucket", "pad_to", "pack", "data", "val_data", "test_data", "text_column",
+    "text_pair_column", "label_column", "val_fraction", "test_fraction", "split_seed", "optimizer", "weight_decay",
+    "lr_schedule", "warmup_ratio", "warmup_steps", "class_weights",
 )
 # Of those, the ones added after runs were first saved: a config.json or last.pt without them ran with
 # their defaults (the article's Adam at a constant rate, an unweighted loss).
@@ -84,14 +84,6 @@ def flag_name(name: str) -> str:
 
 def check(cfg) -> None:
     """Every value alone and beside the others; ValueError, with a one-line message naming the flag."""
-    positive = ["max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier",
-                "eval_batch_size", "dist_timeout"]
-    optional_positive = ["train_size", "val_size", "test_size", "max_steps", "save_every",
-                         "early_stopping_patience", "pack_multiple"]
-    for name in positive + optional_positive:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag_name(name)} must be positive, got {value}")
     # float("nan") and float("inf") parse as floats; none of these settings means anything with them.
     if not (math.isfinite(cfg.save_every_minutes) and cfg.save_every_minutes >= 0):
         raise ValueError(f"--save-every-minutes must be 0 (off) or positive, got {cfg.save_every_minutes}")
@@ -99,21 +91,23 @@ def check(cfg) -> None:
         value = getattr(cfg, name)
         if value is not None and not math.isfinite(value):
             raise ValueError(f"--{flag_name(name)} must be a finite number, got {value}")
+    for name in ("max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier", "lr",
+                 "eval_batch_size", "dist_timeout", "train_size", "val_size", "test_size", "max_steps", "save_every",
+                 "early_stopping_patience", "pack_multiple", "max_grad_norm"):
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag_name(name)} must be positive, got {value}")
+    for name in ("min_delta", "num_workers", "weight_decay", "warmup_steps"):
+        value = getattr(cfg, name)
+        if value is not None and value < 0:
+            raise ValueError(f"--{flag_name(name)} must be >= 0, got {value}")
     for name in ("seed", "split_seed"):  # numpy's RandomState takes 0 .. 2**32 - 1
         if not 0 <= getattr(cfg, name) < 2**32:
             raise ValueError(f"--{flag_name(name)} must be between 0 and 2**32 - 1, got {getattr(cfg, name)}")
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be positive, got {cfg.lr}")
     if cfg.requeue_signal not in CATCHABLE_SIGNALS:
         raise ValueError(f"--requeue-signal {cfg.requeue_signal}: choose one of {', '.join(CATCHABLE_SIGNALS)}")
     if cfg.max_length > 512:
         raise ValueError(f"--max-length {cfg.max_length} exceeds the 512 positions of BERT-style models")
-    if cfg.min_delta < 0:
-        raise ValueError(f"--min-delta must be >= 0, got {cfg.min_delta}")
-    if cfg.max_grad_norm is not None and not cfg.max_grad_norm > 0:
-        raise ValueError(f"--max-grad-norm must be positive, got {cfg.max_grad_norm}")
-    if cfg.num_workers is not None and cfg.num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {cfg.num_workers}")
     if cfg.num_workers is not None and cfg.num_workers > max_workers():
         # Each worker is a process with its own copy of the loader's state: thousands exhaust the machine.
         raise ValueError(f"--num-workers {cfg.num_workers} is more than this machine can use: at most "
@@ -122,8 +116,11 @@ def check(cfg) -> None:
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{flag_name(name)} must be one of {', '.join(map(str, allowed))}; "
                              f"got {getattr(cfg, name)!r}")
-    if cfg.deepspeed_config is not None and cfg.strategy != "deepspeed":
-        raise ValueError("--deepspeed-config needs --deepspeed")
+    # A config built in code is held to these switches too (the command line to all of NEEDS: args.py).
+    for name in ("deepspeed_config", "pack_attention", "pack_multiple", "min_delta", "weight_decay"):
+        switch, present = NEEDS[name]
+        if getattr(cfg, name) != getattr(type(cfg), name) and not present(vars(cfg)):
+            raise ValueError(f"--{flag_name(name)} needs {switch}")
     if cfg.strategy == "deepspeed" and cfg.compile:
         raise ValueError("--compile is not supported with --deepspeed (DeepSpeed wraps the model itself)")
     if cfg.strategy == "fsdp" and cfg.compile and cfg.compile_scope == "whole":
@@ -133,17 +130,11 @@ def check(cfg) -> None:
         raise ValueError("--pack leaves no padding for --bucket to remove; use one of them")
     if cfg.pack and cfg.attn_implementation != "sdpa":
         raise ValueError("--pack brings its own attention kernel; drop --attn-implementation")
-    if cfg.pack_attention != "auto" and not cfg.pack:
-        raise ValueError("--pack-attention needs --pack")
-    if cfg.pack_multiple is not None and not cfg.pack:
-        raise ValueError("--pack-multiple needs --pack")
     if cfg.pack_multiple is not None and cfg.pack_multiple > cfg.max_length:
         # The rounding tail (< --pack-multiple tokens) is one more attention sequence: see packed_attention.py.
         raise ValueError(f"--pack-multiple {cfg.pack_multiple} exceeds --max-length {cfg.max_length}")
     if cfg.data_on_device and (cfg.num_workers or cfg.pin_memory):
         raise ValueError("--data-on-device gathers batches on the device: drop --num-workers / --pin-memory")
-    if cfg.early_stopping_patience is None and cfg.min_delta != 0.0:
-        raise ValueError("--min-delta needs --early-stopping-patience")
     if cfg.data is not None:
         check_own_data(cfg)
 

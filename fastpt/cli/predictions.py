@@ -39,24 +39,18 @@ def preview(text) -> str:
     return " ".join(str(text).split())[:PREVIEW_CHARS]
 
 
-def probability_columns(label_names: list) -> list[str]:
-    return [f"prob_{name}" for name in label_names]
-
-
 def write_predictions(path: Path, leading: dict, label_names: list, predicted, probabilities) -> None:
     """Write the file: the `leading` columns ({name: values}: where, text, label), then predicted and prob_*.
 
     `predicted` holds label ids, `probabilities` an [examples, labels] array; all in the same order."""
     from fastpt.files.checkpoint import write_atomic  # torch: not for the command line's checks
 
-    names = [*leading, "predicted", *probability_columns(label_names)]
+    names = [*leading, "predicted", *(f"prob_{name}" for name in label_names)]
     rows = ([*(values[i] for values in leading.values()), label_names[int(p)],
              *(float(f"{q:.7g}") for q in probabilities[i])] for i, p in enumerate(predicted))
     text = io.StringIO(newline="")
     if output_format(path) == "csv":
-        writer = csv.writer(text, lineterminator="\n")
-        writer.writerow(names)
-        writer.writerows(rows)
+        csv.writer(text, lineterminator="\n").writerows([names, *rows])
     else:
         for row in rows:
             text.write(json.dumps(dict(zip(names, row)), ensure_ascii=False) + "\n")

@@ -119,6 +119,5 @@ def notes(cfg: TrainConfig, dist, inputs) -> list[str]:
 def cpu_has_native_bfloat16() -> bool:
     import torch
 
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return False
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX") and bool(
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

@@ -47,17 +47,15 @@ from fastpt.cli.args import parse_args
 # cpu_has_native_bfloat16: scripts/bench_predict.py reads it from here
 from fastpt.cli.preflight import (check_device_support, check_environment, cpu_has_native_bfloat16,  # noqa: F401
                                   notes, resolve_config)
-from fastpt.cli.run_folder import RunFinished
+from fastpt.cli import run_folder
 from fastpt.config import TrainConfig
 from fastpt.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
                                      Requeued, StopRequested, one_line)
-from fastpt.cluster.signals import hold_warning_signal
+from fastpt.cluster.signals import Interrupted, hold_warning_signal, interrupt_on_signals, settle, terminal_streams
 
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for a command stopped by Ctrl-C
-EXIT_TERMINATED = 143  # 128 + SIGTERM, likewise for a `kill` before training started
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -105,7 +103,6 @@ class CommandLine:
     def claim_run_folder(self) -> tuple[TrainConfig, Path, dict | None]:
         """Lock the run folder and plan it (a new run, or what last.pt resumes); nothing is written yet.
         The config, resolved (resolve_config; on another number of processes, resize.adapt's batch)."""
-        from fastpt.cli import run_folder
         from fastpt.inputs import token_cache
         from fastpt.cluster import resize
         from fastpt.files import shared_cache
@@ -138,7 +135,7 @@ class CommandLine:
     def start_run(self, inputs) -> TrainConfig:
         """A resume's data and weights checked against last.pt's, what differs from what the flags suggest
         (one line each), then the run folder's first write. The config, with IMDB's folder as loading found it."""
-        from fastpt.cli import resume_check, run_folder
+        from fastpt.cli import resume_check
         from fastpt.loop.build import saved_config
 
         cfg, dist = self.cfg, self.dist
@@ -155,60 +152,44 @@ class CommandLine:
     @contextlib.contextmanager
     def exit_status(self):
         """Runs the command's body; whatever stops it becomes one line on stderr and `self.status`."""
-        from fastpt.cluster.signals import interrupt_on_signals, terminal_streams
-
-        is_main = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"  # until the group exists
         stack = self.stack = contextlib.ExitStack()
         try:
             stack.enter_context(terminal_streams())  # a terminal that hangs up (SIGHUP) fails no write
             # Until the loop installs its graceful stop, SIGTERM, SIGINT and SIGHUP stop the command at once.
             stack.enter_context(interrupt_on_signals())
             yield self
-            if self.dist.is_main:
-                print(f"outputs: {shlex.quote(str(self.plan.out.resolve()))}")
+            self._say(f"outputs: {shlex.quote(str(self.plan.out.resolve()))}", sys.stdout)
             self.status = 0
         except SystemExit as e:  # argparse: --help (0), or an unknown flag (2, its line already printed)
             self.status = e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
-        except RunFinished as e:
-            if self.dist.is_main:
-                print(e)
+        except run_folder.RunFinished as e:
+            self._say(str(e), sys.stdout)
             self.status = 0
-        except (ValueError, DataError, ModelError, CheckpointError) as e:
-            if self.started and not isinstance(e, CheckpointError):
+        except (ValueError, DataError, ModelError, CheckpointError, NonFiniteLoss) as e:
+            if self.started and not isinstance(e, (CheckpointError, NonFiniteLoss)):
                 raise  # a bug, not bad input: the traceback says where
-            # Bad input before the run folder was written: status 2. After it, a checkpoint that
-            # cannot be written (a full disk): status 1, earlier checkpoints untouched; a full
+            # Bad input before the run folder was written: status 2. After it, a checkpoint that cannot be
+            # written (a full disk) or a loss that diverged: status 1, earlier checkpoints untouched; a full
             # disk before it (the token cache) is status 1 too, not bad input.
-            self.status = EXIT_FAILED if self.started or isinstance(e, DiskFull) else EXIT_BAD_INPUT
-            if self.dist.is_main if self.dist else is_main:
-                print(f"error: {one_line(e)}", file=sys.stderr)
-        except NonFiniteLoss as e:
-            if self.dist.is_main:
-                print(f"error: {one_line(e)}", file=sys.stderr)
-            self.status = EXIT_FAILED
+            self.status = EXIT_FAILED if self.started or isinstance(e, (DiskFull, NonFiniteLoss)) else EXIT_BAD_INPUT
+            self._say(f"error: {one_line(e)}", sys.stderr)
         except StopRequested as e:
-            if self.dist.is_main:
-                below_bar = "\n" if self.cfg.progress else ""  # a line of its own, not glued to the bar
-                print(f"{below_bar}{'' if isinstance(e, Requeued) else 'stopped: '}{e}", file=sys.stderr)
+            below_bar = "\n" if self.cfg.progress else ""  # a line of its own, not glued to the bar
+            self._say(f"{below_bar}{'' if isinstance(e, Requeued) else 'stopped: '}{e}", sys.stderr)
             self.status = 0 if isinstance(e, Requeued) else EXIT_STOPPED  # requeued: SLURM runs it again
             if self.dist.world_size > 1:
-                from fastpt.cluster.signals import settle
                 settle(self.status)  # the launcher's SIGTERM to the last ranks leaves the status as it is
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM while tokenising or building: nothing left behind
-            from fastpt.cluster.signals import Interrupted
             if self.started and not isinstance(e, Interrupted):
                 raise  # a plain KeyboardInterrupt after training: Python's own behaviour
             kept = self._unstart() if self.started else "nothing was kept"
-            if self.dist.is_main if self.dist else is_main:
-                print(f"\nstopped: {getattr(e, 'name', 'interrupted')} before training started; {kept}",
-                      file=sys.stderr)
+            self._say(f"\nstopped: {getattr(e, 'name', 'interrupted')} before training started; {kept}", sys.stderr)
             self.status = 128 + getattr(e, "signum", signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
         except RuntimeError as e:  # a rank missing or dead: the group did not form, or a collective timed out
             from fastpt.cluster import distributed
             if not distributed.lost_contact(e):
                 raise
-            self.status = _lost_contact(e, self.dist.rank if self.dist else int(os.environ.get("RANK", 0)),
-                                        self.cfg)
+            self.status = _lost_contact(e, self.dist.rank if self.dist else int(os.environ.get("RANK", 0)), self.cfg)
         finally:
             stack.close()
             if self.lock is not None:
@@ -216,6 +197,11 @@ class CommandLine:
             if self.dist is not None:
                 from fastpt.cluster import distributed
                 distributed.shutdown()
+
+    def _say(self, text: str, stream) -> None:
+        """Print on rank 0 alone; before the process group exists, rank 0 by the launcher's variables."""
+        if self.dist.is_main if self.dist else os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(text, file=stream)
 
     def _unstart(self) -> str:
         """A stop after config.json but before training: remove what this new run wrote (rank 0).
@@ -225,9 +211,8 @@ class CommandLine:
             return f"the checkpoints in {self.plan.out} are as they were: --resume auto continues it"
         if self.dist.is_main:
             out = self.plan.out
-            from fastpt.cli.run_folder import MARKER
             made_here = self.lock is not None and out in self.lock.created  # else the marker was there before
-            for name in ("config.json", "tb", *([MARKER] if made_here else [])):
+            for name in ("config.json", "tb", *([run_folder.MARKER] if made_here else [])):
                 path = out / name
                 if path.is_symlink() or path.is_file():
                     path.unlink()
@@ -244,8 +229,7 @@ RANK_0_FIRST_S = 3.0
 
 def exit_process(status: int) -> None:
     """sys.exit(status); a torchrun worker leaves with os._exit instead (distributed.leave says why)."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    if status in (EXIT_BAD_INPUT, EXIT_STOPPED) and rank != "0":
+    if status in (EXIT_BAD_INPUT, EXIT_STOPPED) and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         # torchrun (and srun --kill-on-bad-exit) stops every worker once one has exited. Bad input
         # that each rank finds by itself (a flag, a config file) and a stop are printed by rank 0
         # alone: the others give it time to say it.

@@ -30,7 +30,6 @@ waiting forever.
 
 from __future__ import annotations
 
-import io
 import os
 import socket
 import sys
@@ -41,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from fastpt.cluster import slurm
+from fastpt.files.checkpoint import from_bytes, to_bytes
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,13 @@ def init(device: str = "auto", needs_group: bool = False, timeout_s: int = 600) 
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(local_rank)  # before init: NCCL binds each rank to its own GPU
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
     if launched_by_torchrun() and not dist.is_initialized():
         if rank == 0 and restart_may_fail():
-            print("note: torchrun --max-restarts with its agent's shared store: a restart can fail to connect "
-                  "(stale addresses); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node",
-                  file=sys.stderr)
+            print("note: torchrun --max-restarts with its agent's shared store: a restart can fail to connect (stale "
+                  "addresses); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node", file=sys.stderr)
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": dev} if use_cuda else {}))
     elif needs_group and not dist.is_initialized():
@@ -106,9 +103,8 @@ def lost_contact(error: BaseException) -> bool:
     Gloo raises a plain RuntimeError naming its transport ("Connection closed by peer", "Timed out
     waiting ... for recv"), NCCL and the store raise torch.distributed.DistError.
     """
-    text = str(error)
     return isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and any(mark in text for mark in ("gloo", "NCCL", "Connection closed")))
+        isinstance(error, RuntimeError) and any(mark in str(error) for mark in ("gloo", "NCCL", "Connection closed")))
 
 
 def node_first_rank(info: DistInfo) -> int:
@@ -191,15 +187,8 @@ def broadcast_state(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     mine = dist.get_rank() == src
-    data = None
-    if mine and obj is not None:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        data = buffer.getvalue()
-    data = broadcast_object(data, src)
-    if mine or data is None:
-        return obj
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    data = broadcast_object(to_bytes(obj) if mine and obj is not None else None, src)
+    return obj if mine or data is None else from_bytes(data)
 
 
 def all_gather_object(obj) -> list:

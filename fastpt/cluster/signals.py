@@ -38,6 +38,7 @@ No torch import here: the command line installs this before torch loads.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import os
 import signal
@@ -52,10 +53,9 @@ REPEAT_S = 2.0  # the same signal again this soon: delivered twice (see top), no
 def stop_signals(warning_signal: int | None = None) -> tuple:
     """The signals that stop a run: SIGTERM, SIGINT and SIGHUP, less SIGHUP where the process ignores it
     (started under `nohup`) or where it is the warning signal (--requeue-signal HUP)."""
-    hangup = signal.SIGHUP
-    if hangup == warning_signal or signal.getsignal(hangup) == signal.SIG_IGN:
+    if signal.SIGHUP == warning_signal or signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
         return STOP_SIGNALS
-    return (*STOP_SIGNALS, hangup)
+    return (*STOP_SIGNALS, signal.SIGHUP)
 
 
 def leave_hung_up_terminal(signum: int) -> None:
@@ -225,17 +225,13 @@ class GracefulStop:
         import torch.distributed as dist
 
         _training.set()
-        signals = dict.fromkeys(stop_signals(self.warning_signal) + ((self.warning_signal,) if self.warning_signal
-                                                                      else ()))
-        for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        signals = (*stop_signals(self.warning_signal), *([self.warning_signal] if self.warning_signal else []))
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in dict.fromkeys(signals)}
         if self.warning_signal in _held:  # it came while the run was being built: stop at the first step
             self.signum = self.warning_signal
         _held.clear()
         if dist.is_initialized():
-            from datetime import timedelta
-
-            timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
+            timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         return self
 

@@ -44,10 +44,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
     scontrol on every node. Ranges keep their zero padding; a name may hold several bracket groups
     ("rack[1-2]-n[1-2]": rack1-n1 rack1-n2 rack2-n1 rack2-n2).
     """
-    hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
-        hosts.extend(_expand_one(item))
-    return hosts
+    return [host for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist) for host in _expand_one(item)]
 
 
 def _expand_one(name: str) -> list[str]:
@@ -58,8 +55,7 @@ def _expand_one(name: str) -> list[str]:
     numbers = []
     for part in match.group(1).split(","):
         low, _, high = part.partition("-")
-        width = len(low)
-        numbers += [f"{n:0{width}d}" for n in range(int(low), int(high or low) + 1)]
+        numbers += [f"{n:0{len(low)}d}" for n in range(int(low), int(high or low) + 1)]
     return [head + n + rest for n in numbers for rest in _expand_one(tail)]
 
 
@@ -92,12 +88,11 @@ def torchrun_environment() -> dict[str, str]:
     env = os.environ
     nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    node = int(env.get("SLURM_NODEID", 0))
     return {
         "RANK": env["SLURM_PROCID"],
         "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
         "WORLD_SIZE": str(srun_tasks()),
-        "LOCAL_WORLD_SIZE": str(tasks_per_node(per_node)[node] if per_node else 1),
+        "LOCAL_WORLD_SIZE": str(tasks_per_node(per_node)[int(env.get("SLURM_NODEID", 0))] if per_node else 1),
         "MASTER_ADDR": env.get("MASTER_ADDR") or nodes[0],
         "MASTER_PORT": env.get("MASTER_PORT") or str(default_port(env["SLURM_JOB_ID"])),
     }
@@ -159,8 +154,7 @@ def requeue_after_stop(stopper, is_main: bool, broadcast_object) -> str | None:
     # graceful stop still installed (a second signal: exit 143 at once, the console line unsaid).
     # Nothing is left to save; the processes only need to leave, before SLURM's KillWait runs out.
     stopper.ignore_signals()
-    failed = requeue(job) if is_main else None
-    failed = broadcast_object(failed)
+    failed = broadcast_object(requeue(job) if is_main else None)
     if failed:
         if is_main:
             print(f"note: job {job} not requeued: {failed}", flush=True)
