@@ -143,7 +143,7 @@ def leave(status: int) -> None:
     threads are joined only when it is freed. A worker thread that drops a finished collective's
     tensors just after the interpreter has begun to shut down aborts the whole process ("terminate
     called without an active exception", SIGABRT): torchrun then reports a finished run as failed,
-    or restarts it under --max-restarts. `scripts/gloo_exit_race.py` (two ranks, a module-level
+    or restarts it under --max-restarts. A one-off measurement (docs/results.md; two ranks, a module-level
     reference to the group): 7 of 40 launches aborted leaving by sys.exit, none of 40 by `leave`,
     which calls `os._exit` once the results are written and the streams flushed. Only a process
     torchrun started leaves this way: one that trains in-process (a notebook, a test) returns.
