@@ -76,10 +76,9 @@ class Collator:
         lengths = [len(t) for t, _, _ in items]
         width = self.max_length if self.pad_to == "max_length" else max(lengths)
         input_ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(items), width), dtype=torch.long)
         for row, (tokens, _, _) in enumerate(items):
             input_ids[row, :len(tokens)] = torch.from_numpy(tokens.astype(np.int64))
-            attention_mask[row, :len(tokens)] = 1
+        attention_mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
         batch = {"input_ids": input_ids, "attention_mask": attention_mask,
                  "labels": torch.tensor([label for _, label, _ in items], dtype=torch.long),
                  "weight": torch.tensor([weight for _, _, weight in items], dtype=torch.float32),
