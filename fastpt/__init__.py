@@ -36,6 +36,7 @@ Read these, the lessons:
         tables.py          reading it: CSV, TSV, JSON Lines, Parquet, a saved dataset, the Hub
         columns.py         its text, pair and label columns (per file), labels read by one rule
         models.py          the models and tokenizers, online or offline
+        model_folder.py    a local model folder checked before loading: weight files, shapes, size
 
 Skip these on a first read, the machinery a real run needs:
     config.py    every setting of a run: one typed dataclass, validated once, frozen; read by every layer

@@ -57,8 +57,7 @@ class TokenizedSplit(Dataset):
         """The first n examples (all when n is None)."""
         if n is None or n >= len(self):
             return self
-        end = self.offsets[n]
-        return TokenizedSplit(self.ids[:end], self.offsets[:n + 1], self.labels[:n])
+        return TokenizedSplit(self.ids[:self.offsets[n]], self.offsets[:n + 1], self.labels[:n])
 
 
 class Collator:
@@ -77,18 +76,13 @@ class Collator:
         lengths = [len(t) for t, _, _ in items]
         width = self.max_length if self.pad_to == "max_length" else max(lengths)
         input_ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(items), width), dtype=torch.long)
         for row, (tokens, _, _) in enumerate(items):
             input_ids[row, :len(tokens)] = torch.from_numpy(tokens.astype(np.int64))
-            attention_mask[row, :len(tokens)] = 1
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "labels": torch.tensor([label for _, label, _ in items], dtype=torch.long),
-            "weight": torch.tensor([weight for _, _, weight in items], dtype=torch.float32),
-            "lengths": lengths,
-            "num_tokens": len(items) * width,
-        }
+        attention_mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+                 "labels": torch.tensor([label for _, label, _ in items], dtype=torch.long),
+                 "weight": torch.tensor([weight for _, _, weight in items], dtype=torch.float32),
+                 "lengths": lengths, "num_tokens": len(items) * width}
         if self.sep_id is not None:
             batch["token_type_ids"] = pair_token_types(input_ids, attention_mask, self.sep_id)
         return batch
@@ -166,11 +160,8 @@ class TrainBatchSampler(Sampler):
             return balance_tokens(global_batch, self.lengths, self.world_size)
         return [global_batch[r::self.world_size] for r in range(self.world_size)]
 
-    def batches(self) -> list[list[int]]:
-        return [self.shares(b)[self.rank] for b in self.global_batches()[self.start_batch:]]
-
     def __iter__(self):
-        return iter(self.batches())
+        return iter([self.shares(b)[self.rank] for b in self.global_batches()[self.start_batch:]])
 
     def __len__(self) -> int:
         return (self.n - self.offset) // self.global_batch_size - self.start_batch
@@ -238,8 +229,7 @@ class EvalBatchSampler(Sampler):
         batch_size = max(1, min(batch_size, per_rank))  # a small split: one batch, no filler
         per_rank = math.ceil(per_rank / batch_size) * batch_size  # whole batches on every rank
         filler = int(np.argmin(dataset.lengths)) if n else 0
-        items = [(i, 1.0) for i in mine]
-        items += [(filler, 0.0)] * (per_rank - len(mine))  # padding, counted with weight 0
+        items = [(i, 1.0) for i in mine] + [(filler, 0.0)] * (per_rank - len(mine))  # padding, counted with weight 0
         self.batches_ = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
 
     def __iter__(self):
@@ -274,17 +264,9 @@ def loader_settings(cfg, on_cuda: bool, local_world_size: int) -> tuple[int, boo
 
 def make_loader(dataset: TokenizedSplit, batch_sampler: Sampler, collate: Collator, num_workers: int,
                 pin_memory: bool, seed: int) -> DataLoader:
-    kwargs = {}
-    if num_workers > 0:
-        kwargs = dict(persistent_workers=True, prefetch_factor=4, worker_init_fn=_seed_worker)
+    # Each worker is seeded by torch itself (its torch, random and numpy RNGs), from the loader's generator.
+    kwargs = dict(persistent_workers=True, prefetch_factor=4) if num_workers > 0 else {}
     # A generator of its own even without workers: iter(loader) draws a seed from it, and
     # drawing from the global RNG instead would shift the dropout masks of a resumed epoch.
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate, num_workers=num_workers,
                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **kwargs)
-
-
-def _seed_worker(worker_id: int) -> None:
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    import random
-    random.seed(seed)

@@ -42,19 +42,13 @@ class DeviceLoader:
         return len(self.batch_sampler)
 
     def __iter__(self):
-        batches = list(self.batch_sampler)
-        if not batches:
-            return
         # Evaluation samplers yield (index, weight) pairs; training samplers bare indices.
-        pairs = [[item if isinstance(item, tuple) else (item, 1.0) for item in b] for b in batches]
+        pairs = [[item if isinstance(item, tuple) else (item, 1.0) for item in b] for b in self.batch_sampler]
         index = torch.tensor([[i for i, _ in b] for b in pairs], dtype=torch.int64).to(self.device)  # once an epoch
         weight = torch.tensor([[w for _, w in b] for b in pairs], dtype=torch.float32).to(self.device)
+        build = self._padded if isinstance(self.collate, Collator) else self._packed
         for k, batch in enumerate(pairs):
-            lengths = [int(self.lengths[i]) for i, _ in batch]
-            if isinstance(self.collate, Collator):
-                yield self._padded(index[k], weight[k], lengths)
-            else:
-                yield self._packed(index[k], weight[k], lengths)
+            yield build(index[k], weight[k], [int(self.lengths[i]) for i, _ in batch])
 
     def _padded(self, idx: torch.Tensor, weight: torch.Tensor, lengths: list[int]) -> dict:
         width = self.collate.max_length if self.collate.pad_to == "max_length" else max(lengths)

@@ -54,13 +54,8 @@ def find_source(data_dir: Optional[str]) -> Path:
     """Where the reviews are: an aclImdb/ folder or a tarball. Downloads only without --data-dir."""
     explicit = data_dir or os.environ.get("FASTPT_DATA_DIR")
     root = Path(explicit) if explicit else Path("data")
-    if root.is_file():
-        return root
-    candidates = [root / "aclImdb", root] + [root / name for name in TARBALLS]
-    for path in candidates:
-        if path.is_dir() and (path / "train" / "pos").is_dir():
-            return path
-        if path.is_file():
+    for path in (root / "aclImdb", root, *(root / name for name in TARBALLS)):
+        if path.is_file() or (path / "train" / "pos").is_dir():
             return path
     if explicit:
         raise DataError(f"no IMDB data in {root}: expected aclImdb/, {TARBALLS[0]} or {TARBALLS[1]} there")
@@ -88,10 +83,9 @@ def download(target: Path) -> Path:
                 folder.rmdir()
             except OSError:
                 break
-        raise DataError(
-            f"could not download {URL} ({e.__class__.__name__}: {e}); if this machine is offline, "
-            f"pass --data-dir DIR (or set FASTPT_DATA_DIR) pointing at a local {TARBALLS[0]} or aclImdb/ folder"
-        ) from None
+        raise DataError(f"could not download {URL} ({e.__class__.__name__}: {e}); if this machine is offline, pass "
+                        f"--data-dir DIR (or set FASTPT_DATA_DIR) pointing at a local {TARBALLS[0]} or aclImdb/ "
+                        f"folder") from None
     partial.rename(target)
     return target
 
@@ -102,18 +96,14 @@ def read_reviews(source: Path) -> Reviews:
     try:
         if source.is_dir():
             for folder in FOLDERS:
-                d = source / folder
-                if d.is_dir():
-                    for name in os.listdir(d):
-                        if name.endswith(".txt"):
-                            found[f"{folder}/{name}"] = (d / name).read_text(encoding="utf-8")
+                for path in (source / folder).glob("*.txt"):
+                    found[f"{folder}/{path.name}"] = path.read_text(encoding="utf-8")
         else:
             with tarfile.open(source, "r:*") as archive:
                 for member in archive:
                     match = _MEMBER.search(member.name) if member.isfile() else None
                     if match:
-                        key = "/".join(match.groups())
-                        found[key] = archive.extractfile(member).read().decode("utf-8")
+                        found["/".join(match.groups())] = archive.extractfile(member).read().decode("utf-8")
     except (tarfile.TarError, EOFError, zlib.error, OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read {source}: {e.__class__.__name__}: {e} (corrupt or incomplete archive?)") from None
     keys = []
@@ -148,8 +138,4 @@ def split_indices(n: int) -> dict[str, np.ndarray]:
     order = np.random.RandomState(1).permutation(n)
     n_train = round(n * SPLIT_FRACTIONS[0])
     n_val = round(n * SPLIT_FRACTIONS[1])
-    return {
-        "train": order[:n_train],
-        "validation": order[n_train:n_train + n_val],
-        "test": order[n_train + n_val:],
-    }
+    return {"train": order[:n_train], "validation": order[n_train:n_train + n_val], "test": order[n_train + n_val:]}

@@ -93,18 +93,13 @@ def gather_splits(cfg) -> tuple[dict, dict, list]:
             check_texts(table, table.use["pair"])
         read_labels(table, table.use["label"])
     notes = [line for table in splits.values() for line in table.notes]
-    fractions = {}
-    for name, fraction in (("validation", cfg.val_fraction), ("test", cfg.test_fraction)):
-        if name not in splits:
-            fractions[name] = fraction
+    fractions = {name: fraction for name, fraction in (("validation", cfg.val_fraction), ("test", cfg.test_fraction))
+                 if name not in splits}
     if fractions:
         train = splits["train"]
-        idx = stratified_split(train.columns[train.use["label"]], fractions, cfg.split_seed)
-        for name, rows in idx.items():
+        for name, rows in stratified_split(train.columns[train.use["label"]], fractions, cfg.split_seed).items():
             splits[name] = train.select(rows)
-            if name != "train":
-                splits[name].where = f"{train.where} ({name} split)"
-        splits["train"].where = f"{train.where} (train split)" if fractions else train.where
+            splits[name].where = f"{train.where} ({name} split)"
         for name, fraction in fractions.items():
             origin[name] = {"from": train.where, "fraction": fraction, "seed": cfg.split_seed, "stratified": True}
         origin["train"] = {"from": train.where, "rest_after": list(fractions)}
@@ -133,14 +128,14 @@ def _content_fingerprint(source: str) -> str:
 
 
 def cache_key(cfg, tokenizer) -> str:
-    for source, flag in ((cfg.data, "--data"), (cfg.val_data, "--val-data"), (cfg.test_data, "--test-data")):
+    sources = (cfg.data, cfg.val_data, cfg.test_data)
+    for source, flag in zip(sources, ("--data", "--val-data", "--test-data")):
         check_source_kind(source, flag)  # before the fingerprint reads it: a FIFO would block, /dev/zero never end
     parts = {
         "version": CACHE_VERSION,
-        "data": [_content_fingerprint(s) if s else None for s in (cfg.data, cfg.val_data, cfg.test_data)],
+        "data": [_content_fingerprint(s) if s else None for s in sources],
         # Checked before the lookup, and keyed: a .tsv copy of a .csv reads differently, a .txt one not at all.
-        "kinds": [file_kind(Path(s)) if s and Path(s).is_file() else None
-                  for s in (cfg.data, cfg.val_data, cfg.test_data)],
+        "kinds": [file_kind(Path(s)) if s and Path(s).is_file() else None for s in sources],
         "columns": [cfg.text_column, cfg.text_pair_column, cfg.label_column],
         "split": [cfg.val_fraction, cfg.test_fraction, cfg.split_seed],
         "tokenizer": token_cache._tokenizer_fingerprint(tokenizer),
@@ -209,8 +204,7 @@ def prepare_own_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [
     outcome = None
     if builds:
         try:
-            root = token_cache.cache_root(cfg.cache_dir)
-            path = root / f"data-{cache_key(cfg, tokenizer)}"
+            path = token_cache.cache_root(cfg.cache_dir) / f"data-{cache_key(cfg, tokenizer)}"
             with shared_cache.reported(path):
                 if not shared_cache.is_complete(path):
                     shared_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
