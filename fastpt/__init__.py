@@ -43,7 +43,8 @@ Skip these on a first read, the machinery a real run needs:
                  (config_rules.py: the choices, the switches settings need, what a resume compares, the checks)
     errors.py    the run's exceptions, each with its exit status
     files/       what lands on disk: checkpoints (atomic, weights_only, RNG states),
-                 shared_cache (a cache folder shared by runs and users: lock, atomic publish, digests)
+                 shared_cache (a cache folder shared by runs and users: atomic publish, digests;
+                 cache_lock its build lock)
                  and trust (whose files a run may use on a shared node: the owner rule, FASTPT_TRUST_DIRS)
     cluster/     the processes: distributed (process group, collectives), slurm (srun's process group,
                  requeue before a time limit), signals (graceful stop), resize (resume on another

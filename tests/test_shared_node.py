@@ -22,7 +22,7 @@ import datasets
 import pytest
 import torch
 
-from fastpt.files import shared_cache
+from fastpt.files import cache_lock, shared_cache
 from fastpt.inputs import imdb, token_cache
 from fastpt.inputs.models import load_tokenizer
 from fastpt.monitoring import peak
@@ -420,7 +420,7 @@ def test_a_lock_whose_holder_shows_no_progress_is_given_up_with_one_line(imdb_di
 
 
 class FakeClock:
-    """time.monotonic and time.sleep for shared_cache: each sleep moves the clock and lets the holder act."""
+    """time.monotonic and time.sleep for cache_lock: each sleep moves the clock and lets the holder act."""
 
     def __init__(self, holder_step):
         self.now, self.holder_step, self.sleeps = 0.0, holder_step, 0
@@ -451,16 +451,16 @@ def test_a_holder_that_shows_progress_is_waited_for_past_the_limit(tmp_path, mon
             os.close(held)
 
     clock = FakeClock(builder)
-    monkeypatch.setattr(shared_cache, "time", types.SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep))
+    monkeypatch.setattr(cache_lock, "time", types.SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep))
     monkeypatch.setenv("FASTPT_LOCK_WAIT", "5")
-    fd = shared_cache.take_lock(lock)
+    fd = cache_lock.take_lock(lock)
     os.close(fd)
     assert done == {"at": 20} and clock.now >= 20 > 5
     assert capsys.readouterr().err.count("waiting for") == 1
 
 
 def test_a_builder_touches_its_lock_while_it_builds(tmp_path, monkeypatch):
-    monkeypatch.setattr(shared_cache, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(cache_lock, "HEARTBEAT_S", 0.05)
     target = tmp_path / "cache" / "data-key"
     lock = target.with_name("data-key.lock")
     seen = []
