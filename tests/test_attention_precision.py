@@ -156,11 +156,11 @@ class FakeTimer:
         return self.left[float32].pop(0)
 
 
-def test_the_measurement_warms_up_then_times_a_b_b_a_and_keeps_the_faster_median():
+def test_the_measurement_leaves_out_the_warm_up_and_keeps_the_faster_median():
     # warm-up, then medians of [3, 3, 3, 9] = 3 against [9, 1, 1, 1] = 1: float32 wins though its warm-up was slow
     timer = FakeTimer(bfloat16=[0.1, 3, 3, 3, 9], float32=[50, 9, 1, 1, 1])
     found = precision.measured_precision("bfloat16", inputs=None, timer=timer)
-    assert timer.calls == ["bfloat16", "float32"] + ["bfloat16", "float32", "float32", "bfloat16"] * 2
+    assert sorted(timer.calls) == ["bfloat16"] * 5 + ["float32"] * 5  # each timed as often
     assert found == {"precision": "float32", "seconds": {"bfloat16": 3, "float32": 1},
                      "source": "measured at the start of this run"}
 
