@@ -81,9 +81,7 @@ class Strategy:
         reader reads exactly what runs. DDP and FSDP compile the model or its layers in `wrap`
         instead (their communication hooks sit between the compiled regions) and leave `fn` eager.
         """
-        if not self.compiles("whole"):
-            return fn
-        return apply_compile(fn, self.cfg.compile_mode, fullgraph=True)
+        return apply_compile(fn, self.cfg.compile_mode, fullgraph=True) if self.compiles("whole") else fn
 
     def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         """The article's Adam (lr 5e-5, no weight decay), or AdamW (optimizer.py), fused where asked or on CUDA.
@@ -195,13 +193,10 @@ class Strategy:
     def memory_report(self) -> dict:
         """Bytes of parameters, gradients and optimiser state held by this rank."""
         params = list(self.module.parameters())
-        optim = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return {
-            "param_bytes": sum(local_bytes(p) for p in params),
-            # Gradients are freed after each step; while held they take the parameters' layout.
-            "grad_bytes": sum(local_bytes(p) for p in params if p.requires_grad),
-            "optimizer_bytes": sum(local_bytes(t) for t in optim),
-        }
+        return {"param_bytes": sum(local_bytes(p) for p in params),
+                # Gradients are freed after each step; while held they take the parameters' layout.
+                "grad_bytes": sum(local_bytes(p) for p in params if p.requires_grad),
+                "optimizer_bytes": optimizer_state_bytes(self.optimizer)}
 
     def close(self) -> None:
         pass
@@ -211,3 +206,8 @@ def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for t: a DTensor's local shard, else the tensor."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimiser's state tensors (Adam's moments) this rank holds."""
+    return sum(local_bytes(t) for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
