@@ -27,6 +27,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -99,11 +100,9 @@ class Throughput:
         self.device, self.warmup_steps = device, warmup_steps
         self.flops_fn, self.peak = flops_fn, peak_flops
         self.peak_info = peak_info  # where the peak comes from (monitoring/peak.py), for results.json
-        self.steps, self.total, self.window, self.window_start = 0, self._zero(), self._zero(), None
-
-    @staticmethod
-    def _zero() -> dict:
-        return {"samples": 0, "real_tokens": 0, "padded_tokens": 0, "flops": 0.0, "data_s": 0.0, "time_s": 0.0}
+        self.steps, self.window_start = 0, None
+        # samples, real_tokens, padded_tokens, flops, data_s (waiting for data), time_s; a Counter adds them up
+        self.total, self.window = Counter(), Counter()
 
     def start(self) -> None:
         synchronize(self.device)
@@ -113,18 +112,14 @@ class Throughput:
         """One micro-batch: its reviews' lengths and the tokens the device computes (Python ints: no sync)."""
         if self.steps < self.warmup_steps:
             return
-        w = self.window
-        w["samples"] += len(lengths)
-        w["real_tokens"] += sum(lengths)
-        w["padded_tokens"] += computed_tokens
-        w["flops"] += self.flops_fn(lengths)
-        w["data_s"] += data_s
+        self.window.update(samples=len(lengths), real_tokens=sum(lengths), padded_tokens=computed_tokens,
+                           flops=self.flops_fn(lengths), data_s=data_s)
 
     def end_step(self) -> None:
         """An optimiser step ended; at the end of warm-up the measured window (re)starts."""
         self.steps += 1
         if self.steps == self.warmup_steps:
-            self.window = self._zero()
+            self.window = Counter()
             self.start()
 
     def read(self) -> dict:
@@ -134,12 +129,12 @@ class Throughput:
         w = self.window
         if self.steps >= self.warmup_steps and self.window_start is not None:
             w["time_s"] = now - self.window_start
-            self.total = {k: self.total[k] + w[k] for k in self.total}
-        self.window, self.window_start = self._zero(), now
+            self.total.update(w)
+        self.window, self.window_start = Counter(), now
         return self.rates(w)
 
     def rates(self, w: dict | None = None) -> dict:
-        w = w or self.total
+        w = self.total if w is None else w
         t = w["time_s"]
         if t <= 0 or w["samples"] == 0:
             return {}
