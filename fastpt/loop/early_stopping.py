@@ -14,8 +14,6 @@ Why it is faster: early stopping ends runs that stopped improving; the best chec
 a run that trained a little past its best still test on the best weights.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import asdict, dataclass
 

@@ -28,8 +28,6 @@ agree exactly), and one all-gather puts them on every rank in the split's order,
 once: the weight-0 filler is dropped and the sampler's (index, weight) pairs say whose is whose.
 """
 
-from __future__ import annotations
-
 import time
 
 import numpy as np

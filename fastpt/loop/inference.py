@@ -37,8 +37,6 @@ and one all-gather puts the results back in the input's order (evaluation.gather
 Cost: every text is tokenised and held in memory at once (4 bytes a token). Lightning: `Trainer.predict`.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import numpy as np

@@ -5,8 +5,6 @@ weights and the bookkeeping's position and sums (loop/checkpoints.py writes and 
 results.json is written from it.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass, field
 

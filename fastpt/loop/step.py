@@ -23,8 +23,6 @@ here reads a value back from the device: losses and correct counts stay on it as
 log steps.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 import torch.nn.functional as F

@@ -22,8 +22,6 @@ measured about 790 TFLOP/s on an H200, so about 80% MFU is the practical ceiling
 such figure: its peak is measured by a short matmul probe (monitoring/peak.py).
 """
 
-from __future__ import annotations
-
 import resource
 import sys
 import time

@@ -10,8 +10,6 @@ each only where it applies (no amp_dtype for a run without --amp). The TEXT tab 
 and the validation confusion of each epoch.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import sys

@@ -13,8 +13,6 @@ engine owns both), and gather state for checkpoints (FSDP and ZeRO-3 hold shards
 follows one documented order (see `setup`).
 """
 
-from __future__ import annotations
-
 import contextlib
 from pathlib import Path
 

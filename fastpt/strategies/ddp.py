@@ -16,8 +16,6 @@ The effective batch is batch_size x world_size: 2 processes with batch 12 take t
 steps as one process with batch 24.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch

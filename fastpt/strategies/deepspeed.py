@@ -42,8 +42,6 @@ classes its checkpoints hold (`trusted_classes`), and takes last.pt's tag only a
 (deepspeed_checkpoint.py). The config and its checks are in deepspeed_config.py.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import functools

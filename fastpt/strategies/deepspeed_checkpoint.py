@@ -7,8 +7,6 @@ whatever a crafted file asks. Every one of those loads is made `weights_only=Tru
 (`checked_tag`): a tag is a path DeepSpeed reads. `check_resume` runs both before any work.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import pickle

@@ -3,8 +3,6 @@ user gives one (--deepspeed-config), and the precisions DeepSpeed has kernels fo
 (`check_supported`). deepspeed.py's docstring says what each setting does and why these values.
 """
 
-from __future__ import annotations
-
 import json
 import os
 from pathlib import Path

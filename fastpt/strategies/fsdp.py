@@ -41,8 +41,6 @@ no gather) is what scales to models that do not fit in one process's memory; thi
 models do, and one file keeps resume identical across strategies.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch

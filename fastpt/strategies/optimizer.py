@@ -32,8 +32,6 @@ Lightning has no flag for either: a LightningModule's `configure_optimizers` ret
 and an `lr_scheduler` dict with `"interval": "step"`.
 """
 
-from __future__ import annotations
-
 import math
 import re
 
