@@ -27,8 +27,6 @@ The parts are built from a checkpoint's state when resuming, so a resumed run lo
 times exactly what the uninterrupted run would have.
 """
 
-from __future__ import annotations
-
 import shlex
 import time
 from dataclasses import dataclass
@@ -72,7 +70,7 @@ class Position:
     resumed_at_step: int | None = None  # the step a resumed run continued from: its rates leave out the ones before
 
     @classmethod
-    def resumed(cls, progress: dict) -> Position:
+    def resumed(cls, progress: dict) -> "Position":
         return cls(progress["epoch"], progress["batch_in_epoch"], progress["global_step"], progress["global_step"])
 
     def next_epoch(self) -> None:

@@ -41,9 +41,7 @@ PEAK_FLOPS = {
 def device_peak_flops(device: torch.device, amp: bool, tf32: bool) -> float | None:
     """The vendor's peak for this GPU and precision, or None where unknown (CPUs, other GPUs: measured,
     monitoring/peak.py)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""  # a CPU matches no GPU's name
     for key, (half, tf32_peak, fp32) in PEAK_FLOPS.items():
         if key in name:
             return half if amp else tf32_peak if tf32 else fp32
