@@ -32,8 +32,7 @@ class Strategy:
     name = "single"
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
-        self.cfg, self.dist = cfg, dist
-        self.device = dist.device
+        self.cfg, self.dist, self.device = cfg, dist, dist.device
         self.precision = MixedPrecision(cfg.amp, cfg.amp_dtype, dist.device)
         self.module: torch.nn.Module | None = None  # the plain model: what checkpoints hold
         self.model: torch.nn.Module | None = None  # what the step calls: wrapped (DDP, FSDP, engine)

@@ -171,8 +171,7 @@ class DeepSpeedStrategy(Strategy):
         Tags older than the one the current last.pt names are removed first, so a crash while
         writing the new one still leaves last.pt pointing at a complete checkpoint.
         """
-        folder = ckpt_dir / "deepspeed"
-        tag = f"global_step{self.model.global_steps}"
+        folder, tag = ckpt_dir / "deepspeed", f"global_step{self.model.global_steps}"
         distributed.barrier()
         if self.dist.is_main and folder.is_dir():
             for old in folder.iterdir():

@@ -92,8 +92,7 @@ class FSDPStrategy(Strategy):
             self.precision.grad_scaler = ShardedGradScaler(self.device.type)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        param_dtype = self.precision.dtype if self.cfg.amp else None
-        return apply_fsdp(module, self.cfg.fsdp_reshard_after_forward, param_dtype,
+        return apply_fsdp(module, self.cfg.fsdp_reshard_after_forward, self.precision.dtype if self.cfg.amp else None,
                           self.cfg.compile_mode if self.cfg.compile else None, self.cfg.varying_lengths)
 
     @contextlib.contextmanager
