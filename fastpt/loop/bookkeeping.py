@@ -27,8 +27,6 @@ The parts are built from a checkpoint's state when resuming, so a resumed run lo
 times exactly what the uninterrupted run would have.
 """
 
-from __future__ import annotations
-
 import shlex
 import time
 from dataclasses import dataclass
@@ -72,7 +70,7 @@ class Position:
     resumed_at_step: int | None = None  # the step a resumed run continued from: its rates leave out the ones before
 
     @classmethod
-    def resumed(cls, progress: dict) -> Position:
+    def resumed(cls, progress: dict) -> "Position":
         return cls(progress["epoch"], progress["batch_in_epoch"], progress["global_step"], progress["global_step"])
 
     def next_epoch(self) -> None:
@@ -88,11 +86,10 @@ class DeviceSums:
     def __init__(self, device: torch.device, rank_state: dict | None = None):
         """`rank_state`: this rank's part of last.pt (`rank_state()`), so a resumed run averages as the first."""
         self.device = device
-        rank_state = rank_state or {}
-        epoch, window = rank_state.get("epoch_sums"), rank_state.get("window")
+        epoch, window = (rank_state or {}).get("epoch_sums"), (rank_state or {}).get("window")
         self.epoch = None if epoch is None else epoch.to(device)  # loss x examples, correct, examples
-        self.window_loss = window[0].to(device) if window else None  # the steps' losses since the last log
-        self.window_count = window[1] if window else 0
+        # the steps' losses since the last log, and how many
+        self.window_loss, self.window_count = (window[0].to(device), window[1]) if window else (None, 0)
         self.skipped_in_a_row = torch.zeros((), dtype=torch.long, device=device)
         self.first_bad_step = None  # -1, or the first step (from 1) whose loss was not finite
         self.scaler_skips = False  # float16's GradScaler skips inf/NaN steps: only a long run of them fails
@@ -145,10 +142,8 @@ class DeviceSums:
 
     def rank_state(self) -> dict:
         """This rank's running sums: in last.pt, so a resumed run averages and logs as the uninterrupted one."""
-        return {
-            "epoch_sums": None if self.epoch is None else self.epoch.cpu(),
-            "window": None if self.window_loss is None else (self.window_loss.cpu(), self.window_count),
-        }
+        return {"epoch_sums": None if self.epoch is None else self.epoch.cpu(),
+                "window": None if self.window_loss is None else (self.window_loss.cpu(), self.window_count)}
 
 
 class Clocks:
@@ -157,13 +152,11 @@ class Clocks:
     def __init__(self, device: torch.device, meter: metrics.Throughput, progress: dict | None = None):
         """`progress`: last.pt's, so a resumed run's training time goes on from the checkpoint's."""
         progress = progress or {}
-        self.device, self.meter = device, meter
-        self.compile_clock = metrics.CompileClock()
+        self.device, self.meter, self.compile_clock = device, meter, metrics.CompileClock()
         self.token_shapes: set[int] = set()  # distinct batch widths / packed lengths: CUDA graphs record one each
         self.train_time_s = progress.get("train_time_s", 0.0)  # training and validation, as the article times it
         self.first_step_s = progress.get("first_step_s")  # compilation included with --compile
-        self.epoch_clock = None
-        self.step_start = None  # when the step's first batch was asked for
+        self.epoch_clock = self.step_start = None  # step_start: when the step's first batch was asked for
         self.peak_reset = False
 
     def start_epoch(self) -> None:
@@ -176,17 +169,15 @@ class Clocks:
     def timed(self, loader):
         """The loader's batches, the wait for each recorded by the meter."""
         batches = iter(loader)
-        while True:
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        for batch in batches:
             if self.step_start is None:  # a step starts when its first batch is asked for
                 self.step_start = t0
-            batch = next(batches, None)
-            if batch is None:
-                return
             self.meter.record(batch["lengths"], batch["num_tokens"], time.perf_counter() - t0)
             self.token_shapes.add(batch["num_tokens"] // len(batch["lengths"]) if "cu_seqlens" not in batch
                                   else batch["num_tokens"])
             yield batch
+            t0 = time.perf_counter()
 
     def end_step(self) -> None:
         if self.first_step_s is None:
@@ -266,8 +257,7 @@ class Bookkeeping:
         self.clocks.start_epoch()
         self.sums.start_epoch()
         done = self.position.batch_in_epoch
-        self.bar = self.tracker.bar(done + batches_left, f"epoch {self.position.epoch + 1}/{self.epochs}",
-                                    initial=done)
+        self.bar = self.tracker.bar(done + batches_left, f"epoch {self.position.epoch + 1}/{self.epochs}", initial=done)
 
     def timed_batches(self, loader):
         """The loader's batches, each counted, timed (the wait for data) and shown on the bar."""
@@ -279,8 +269,8 @@ class Bookkeeping:
     def after_step(self, sums: torch.Tensor, micro_batches: int, ends_epoch: bool) -> Due:
         """Account for one optimiser step (the epoch's last if `ends_epoch`); what it makes due."""
         skipped = self.strategy.step_was_skipped() if self.strategy.skips_nonfinite_steps else None
-        self.sums.add(sums, micro_batches, self.position.global_step + 1, skipped)
         self.position.global_step += 1
+        self.sums.add(sums, micro_batches, self.position.global_step, skipped)
         self.clocks.end_step()
         due = self.due.after_step(self.position.global_step, ends_epoch)
         if due.log or due.save:
@@ -292,14 +282,14 @@ class Bookkeeping:
         loss = self.sums.read_window(self.world_size)
         rates = {k: v * self.world_size if k in metrics.SUMMED_OVER_RANKS else v
                  for k, v in self.clocks.meter.read().items()}  # rank 0's rate x ranks: all ranks run in lockstep
-        step = self.position.global_step
-        self.tracker.scalars({"loss": loss, "lr": self.strategy.step_lr, **rates,
-                              "peak_memory_gb": metrics.peak_memory_bytes(self.clocks.device) / 2**30}, step, "train/")
+        step, peak_gb = self.position.global_step, metrics.peak_memory_bytes(self.clocks.device) / 2**30
+        self.tracker.scalars({"loss": loss, "lr": self.strategy.step_lr, **rates, "peak_memory_gb": peak_gb}, step,
+                             "train/")
         self.bar.set_postfix(loss=f"{loss:.4f}", **({"samples/s": f"{rates['samples_per_s']:.1f}"} if rates else {}))
         if not self.tracker.progress:  # no bar to show it: one line per log step instead
-            self.tracker.print(f"step {step}: loss {loss:.4f}"
-                               + (f" | {rates['samples_per_s']:.1f} samples/s" if rates else "")
-                               + (f" | MFU {100 * rates['mfu']:.1f}%" if "mfu" in rates else ""))
+            rate = f" | {rates['samples_per_s']:.1f} samples/s" if rates else ""
+            mfu = f" | MFU {100 * rates['mfu']:.1f}%" if "mfu" in rates else ""
+            self.tracker.print(f"step {step}: loss {loss:.4f}{rate}{mfu}")
 
     def end_epoch(self) -> dict:
         """The epoch's training loss and accuracy over all ranks."""

@@ -14,21 +14,28 @@ Why it is faster: early stopping ends runs that stopped improving; the best chec
 a run that trained a little past its best still test on the best weights.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 
 def _better(current: float, best: float, mode: str, min_delta: float = 0.0) -> bool:
     return current - min_delta > best if mode == "max" else current + min_delta < best
 
 
+class _Saved:
+    """last.pt keeps a dataclass's fields as a plain dict (weights_only-safe)."""
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+
 @dataclass
-class EarlyStopping:
+class EarlyStopping(_Saved):
     mode: str = "max"
-    patience: Optional[int] = 3  # None: never stop
+    patience: int | None = 3  # None: never stop
     min_delta: float = 0.0
     best: float = -math.inf
     wait_count: int = 0
@@ -54,32 +61,16 @@ class EarlyStopping:
                 self.reason = f"no improvement in {self.wait_count} validation checks (best {self.best:.4f})"
         return self.stopped
 
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
-
 
 @dataclass
-class BestTracker:
+class BestTracker(_Saved):
     mode: str = "max"
-    best: Optional[float] = None
-    best_epoch: Optional[int] = None
+    best: float | None = None
+    best_epoch: int | None = None
 
     def update(self, current: float, epoch: int) -> bool:
         """True if `current` strictly improves on the best so far (then it is the new best)."""
-        if not math.isfinite(current):
-            return False
-        if self.best is None or _better(current, self.best, self.mode):
+        improved = math.isfinite(current) and (self.best is None or _better(current, self.best, self.mode))
+        if improved:
             self.best, self.best_epoch = current, epoch
-            return True
-        return False
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        return improved

@@ -28,8 +28,6 @@ agree exactly), and one all-gather puts them on every rank in the split's order,
 once: the weight-0 filler is dropped and the sampler's (index, weight) pairs say whose is whose.
 """
 
-from __future__ import annotations
-
 import time
 
 import numpy as np
@@ -52,8 +50,7 @@ def make_eval_sums(precision, max_length: int, class_weights: torch.Tensor | Non
     def eval_sums(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         with precision.autocast():
             logits = classify(model, batch, max_length)
-        weight = batch["weight"].double()
-        labels = batch["labels"]
+        weight, labels = batch["weight"].double(), batch["labels"]
         losses = F.cross_entropy(logits.float(), labels, weight=class_weights, reduction="none").double()
         loss_weight = weight if class_weights is None else weight * class_weights[labels].double()
         predicted = logits.argmax(dim=-1)
@@ -61,9 +58,8 @@ def make_eval_sums(precision, max_length: int, class_weights: torch.Tensor | Non
         k = logits.shape[-1]
         confusion = torch.zeros(k * k, dtype=torch.float64, device=logits.device).index_add_(
             0, labels * k + predicted, weight)
-        sums = torch.cat([torch.stack([(losses * weight).sum(), (correct * weight).sum(), weight.sum(),
-                                       loss_weight.sum()]), confusion])
-        return sums, logits, predicted
+        totals = torch.stack([(losses * weight).sum(), (correct * weight).sum(), weight.sum(), loss_weight.sum()])
+        return torch.cat([totals, confusion]), logits, predicted
 
     return eval_sums
 
@@ -100,8 +96,7 @@ def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num
     if bar is not None:
         bar.close()
     loss_sum, correct, n, loss_weight = values[:4]
-    confusion = [[int(round(c)) for c in values[4 + i * num_labels:4 + (i + 1) * num_labels]]
-                 for i in range(num_labels)]
+    confusion = np.rint(values[4:]).astype(int).reshape(num_labels, num_labels).tolist()
     return {"loss": loss_sum / (loss_weight or 1), "acc": correct / max(n, 1), "macro_f1": macro_f1(confusion),
             "confusion": confusion, "n": int(round(n)), "time_s": time_s,
             "compile_s": compile_clock.seconds - compiled_before if compile_clock is not None else 0.0,

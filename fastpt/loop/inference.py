@@ -37,8 +37,6 @@ and one all-gather puts the results back in the input's order (evaluation.gather
 Cost: every text is tokenised and held in memory at once (4 bytes a token). Lightning: `Trainer.predict`.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import numpy as np
@@ -85,9 +83,8 @@ def packed_batches(split: data.TokenizedSplit, tokens: int, rank: int = 0, world
 def packed_prediction_loader(split: data.TokenizedSplit, tokens: int, pad_id: int, max_length: int, rank: int = 0,
                              world_size: int = 1, num_workers: int = 0, pin_memory: bool = False):
     """Streams of about `tokens` tokens of length-sorted texts (packed_batches), no padding; this rank's share."""
-    collate = PackedCollator(pad_id, max_length=max_length)
-    return data.make_loader(split, packed_batches(split, tokens, rank, world_size), collate, num_workers,
-                            pin_memory, seed=0)
+    return data.make_loader(split, packed_batches(split, tokens, rank, world_size),
+                            PackedCollator(pad_id, max_length=max_length), num_workers, pin_memory, seed=0)
 
 
 def prediction_loader(split: data.TokenizedSplit, batch_size: int, pad_id: int, max_length: int, rank: int = 0,

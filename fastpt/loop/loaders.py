@@ -3,8 +3,6 @@ its share of every global batch (inputs/data.py has the samplers and collators; 
 --data-on-device the splits sit on the device and batches are gathered there, inputs/device_data.py).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from fastpt.cluster import distributed

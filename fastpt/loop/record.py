@@ -5,8 +5,6 @@ weights and the bookkeeping's position and sums (loop/checkpoints.py writes and 
 results.json is written from it.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass, field
 
@@ -50,8 +48,7 @@ class RunRecord:
                "val_loss": val["loss"], "val_acc": val["acc"], "val_macro_f1": val["macro_f1"],
                "train_time_s": clocks.train_time_s}
         self.history.append(row)
-        tracker.scalars({k: v for k, v in row.items() if k not in ("epoch", "step")}, step,
-                        "epoch/")
+        tracker.scalars({k: v for k, v in row.items() if k not in ("epoch", "step")}, step, "epoch/")
         classes = per_class(val["confusion"], self.label_names)
         for metric in ("f1", "precision", "recall"):
             tracker.scalars({name: c[metric] for name, c in classes.items()}, step, f"val_{metric}/")

@@ -23,8 +23,6 @@ here reads a value back from the device: losses and correct counts stay on it as
 log steps.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -42,9 +40,8 @@ def classify(model: torch.nn.Module, batch: dict, max_length: int) -> torch.Tens
 
 def metric_sums(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[loss x examples, correct, examples, loss] in float64, summed on the device."""
-    n = labels.shape[0]
+    n, loss = labels.shape[0], loss.detach().double()
     correct = (logits.argmax(dim=-1) == labels).sum().double()
-    loss = loss.detach().double()
     return torch.stack([loss * n, correct, torch.full_like(loss, n), loss])
 
 

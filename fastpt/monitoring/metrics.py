@@ -22,12 +22,10 @@ measured about 790 TFLOP/s on an H200, so about 80% MFU is the practical ceiling
 such figure: its peak is measured by a short matmul probe (monitoring/peak.py).
 """
 
-from __future__ import annotations
-
 import resource
 import sys
 import time
-from typing import Optional
+from collections import Counter
 
 import torch
 
@@ -40,12 +38,10 @@ PEAK_FLOPS = {
 }
 
 
-def device_peak_flops(device: torch.device, amp: bool, tf32: bool) -> Optional[float]:
+def device_peak_flops(device: torch.device, amp: bool, tf32: bool) -> float | None:
     """The vendor's peak for this GPU and precision, or None where unknown (CPUs, other GPUs: measured,
     monitoring/peak.py)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""  # a CPU matches no GPU's name
     for key, (half, tf32_peak, fp32) in PEAK_FLOPS.items():
         if key in name:
             return half if amp else tf32_peak if tf32 else fp32
@@ -95,19 +91,14 @@ class Throughput:
     `flops_fn(lengths)` gives the useful FLOPs of a batch's reviews (see `review_flops`).
     """
 
-    def __init__(self, device: torch.device, warmup_steps: int, flops_fn, peak_flops: Optional[float],
-                 peak_info: Optional[dict] = None):
+    def __init__(self, device: torch.device, warmup_steps: int, flops_fn, peak_flops: float | None,
+                 peak_info: dict | None = None):
         self.device, self.warmup_steps = device, warmup_steps
         self.flops_fn, self.peak = flops_fn, peak_flops
         self.peak_info = peak_info  # where the peak comes from (monitoring/peak.py), for results.json
-        self.steps = 0
-        self.total = self._zero()
-        self.window = self._zero()
-        self.window_start = None
-
-    @staticmethod
-    def _zero() -> dict:
-        return {"samples": 0, "real_tokens": 0, "padded_tokens": 0, "flops": 0.0, "data_s": 0.0, "time_s": 0.0}
+        self.steps, self.window_start = 0, None
+        # samples, real_tokens, padded_tokens, flops, data_s (waiting for data), time_s; a Counter adds them up
+        self.total, self.window = Counter(), Counter()
 
     def start(self) -> None:
         synchronize(self.device)
@@ -117,18 +108,14 @@ class Throughput:
         """One micro-batch: its reviews' lengths and the tokens the device computes (Python ints: no sync)."""
         if self.steps < self.warmup_steps:
             return
-        w = self.window
-        w["samples"] += len(lengths)
-        w["real_tokens"] += sum(lengths)
-        w["padded_tokens"] += computed_tokens
-        w["flops"] += self.flops_fn(lengths)
-        w["data_s"] += data_s
+        self.window.update(samples=len(lengths), real_tokens=sum(lengths), padded_tokens=computed_tokens,
+                           flops=self.flops_fn(lengths), data_s=data_s)
 
     def end_step(self) -> None:
         """An optimiser step ended; at the end of warm-up the measured window (re)starts."""
         self.steps += 1
         if self.steps == self.warmup_steps:
-            self.window = self._zero()
+            self.window = Counter()
             self.start()
 
     def read(self) -> dict:
@@ -138,15 +125,12 @@ class Throughput:
         w = self.window
         if self.steps >= self.warmup_steps and self.window_start is not None:
             w["time_s"] = now - self.window_start
-            for k in self.total:
-                self.total[k] += w[k]
-        rates = self.rates(w)
-        self.window = self._zero()
-        self.window_start = now
-        return rates
+            self.total.update(w)
+        self.window, self.window_start = Counter(), now
+        return self.rates(w)
 
-    def rates(self, w: Optional[dict] = None) -> dict:
-        w = w or self.total
+    def rates(self, w: dict | None = None) -> dict:
+        w = self.total if w is None else w
         t = w["time_s"]
         if t <= 0 or w["samples"] == 0:
             return {}
@@ -162,7 +146,7 @@ class Throughput:
         return out
 
 
-def rate_results(meter: Throughput, world_size: int, resumed_at_step: Optional[int] = None) -> dict:
+def rate_results(meter: Throughput, world_size: int, resumed_at_step: int | None = None) -> dict:
     """results.json's speed block: the measured totals, summed over ranks (they run in lockstep).
 
     Rates are None, with a note, when no step was measured (a run shorter than the warm-up).
@@ -172,8 +156,7 @@ def rate_results(meter: Throughput, world_size: int, resumed_at_step: Optional[i
            for k in (*SUMMED_OVER_RANKS, "padding_efficiency", "data_wait_share", "mfu")}
     if meter.peak:  # MFU's denominator, per rank, and where it comes from
         info = meter.peak_info or {}
-        out["peak_flops_per_s"] = meter.peak
-        out["peak_source"] = info.get("source")
+        out.update(peak_flops_per_s=meter.peak, peak_source=info.get("source"))
         if "shapes" in info:
             out["peak_probe"] = {"dtype": info["dtype"], "shapes": info["shapes"]}
     if not totals:
@@ -186,17 +169,15 @@ def rate_results(meter: Throughput, world_size: int, resumed_at_step: Optional[i
 
 def compiled_graph_count() -> int:
     """Graphs TorchDynamo has compiled in this process so far (0 where it was never imported)."""
-    if "torch._dynamo.utils" not in sys.modules:
-        return 0
-    return sys.modules["torch._dynamo.utils"].counters["stats"]["unique_graphs"]
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo.counters["stats"]["unique_graphs"] if dynamo else 0
 
 
 def torch_compile_seconds() -> float:
     """Seconds torch has spent compiling in this process so far (0.0 before torch._dynamo): the
     wall time of every frame Dynamo compiled and of every compiled backward."""
-    if "torch._dynamo.utils" not in sys.modules:
-        return 0.0
-    return sys.modules["torch._dynamo.utils"].calculate_time_spent()["total_wall_time"]
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo.calculate_time_spent()["total_wall_time"] if dynamo else 0.0
 
 
 # torch's counters of its two on-disk compile caches: Inductor's FX graph cache (generated kernels,
@@ -222,10 +203,8 @@ class CompileClock:
     """
 
     def __init__(self):
-        self.seconds = 0.0
         self.start_count = self.count = compiled_graph_count()
-        self.start_cache = compile_cache_counts()
-        self.start_torch_s = torch_compile_seconds()
+        self.seconds, self.start_cache, self.start_torch_s = 0.0, compile_cache_counts(), torch_compile_seconds()
 
     def tick(self, since: float) -> None:
         now = compiled_graph_count()

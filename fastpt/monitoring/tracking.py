@@ -10,14 +10,11 @@ each only where it applies (no amp_dtype for a run without --amp). The TEXT tab 
 and the validation confusion of each epoch.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
 
 from tqdm.auto import tqdm
 
@@ -42,10 +39,8 @@ def applicable_hparams(config: dict) -> dict:
 
 
 class Tracker:
-    def __init__(self, out_dir: Path, progress: bool, tensorboard: bool, purge_step: Optional[int] = None):
-        self.out_dir = out_dir
-        self.progress = progress
-        self.writer = None
+    def __init__(self, out_dir: Path, progress: bool, tensorboard: bool, purge_step: int | None = None):
+        self.out_dir, self.progress, self.writer = out_dir, progress, None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -72,18 +67,18 @@ class Tracker:
                     if isinstance(v, (int, float)):
                         self.writer.add_scalar(f"{prefix}{k}", v, step)
 
-    def text(self, tag: str, text: str, step: Optional[int] = None) -> None:
+    def text(self, tag: str, text: str, step: int | None = None) -> None:
         if self.writer:
             with _event_file_errors(self.out_dir / "tb"):
                 self.writer.add_text(tag, f"```\n{text}\n```", step)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         if self.writer:
-            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+            clean = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
                      for k, v in applicable_hparams(hparams).items()}
+            scores = {f"hparam/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
             with _event_file_errors(self.out_dir / "tb"):
-                self.writer.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()
-                                                if isinstance(v, (int, float))}, run_name="hparams")
+                self.writer.add_hparams(clean, scores, run_name="hparams")
 
     def write_json(self, name: str, data: dict) -> None:
         write_json_atomic(self.out_dir / name, data)

@@ -13,8 +13,6 @@ engine owns both), and gather state for checkpoints (FSDP and ZeRO-3 hold shards
 follows one documented order (see `setup`).
 """
 
-from __future__ import annotations
-
 import contextlib
 from pathlib import Path
 
@@ -34,8 +32,7 @@ class Strategy:
     name = "single"
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
-        self.cfg, self.dist = cfg, dist
-        self.device = dist.device
+        self.cfg, self.dist, self.device = cfg, dist, dist.device
         self.precision = MixedPrecision(cfg.amp, cfg.amp_dtype, dist.device)
         self.module: torch.nn.Module | None = None  # the plain model: what checkpoints hold
         self.model: torch.nn.Module | None = None  # what the step calls: wrapped (DDP, FSDP, engine)
@@ -81,9 +78,7 @@ class Strategy:
         reader reads exactly what runs. DDP and FSDP compile the model or its layers in `wrap`
         instead (their communication hooks sit between the compiled regions) and leave `fn` eager.
         """
-        if not self.compiles("whole"):
-            return fn
-        return apply_compile(fn, self.cfg.compile_mode, fullgraph=True)
+        return apply_compile(fn, self.cfg.compile_mode, fullgraph=True) if self.compiles("whole") else fn
 
     def build_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         """The article's Adam (lr 5e-5, no weight decay), or AdamW (optimizer.py), fused where asked or on CUDA.
@@ -195,13 +190,10 @@ class Strategy:
     def memory_report(self) -> dict:
         """Bytes of parameters, gradients and optimiser state held by this rank."""
         params = list(self.module.parameters())
-        optim = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return {
-            "param_bytes": sum(local_bytes(p) for p in params),
-            # Gradients are freed after each step; while held they take the parameters' layout.
-            "grad_bytes": sum(local_bytes(p) for p in params if p.requires_grad),
-            "optimizer_bytes": sum(local_bytes(t) for t in optim),
-        }
+        return {"param_bytes": sum(local_bytes(p) for p in params),
+                # Gradients are freed after each step; while held they take the parameters' layout.
+                "grad_bytes": sum(local_bytes(p) for p in params if p.requires_grad),
+                "optimizer_bytes": optimizer_state_bytes(self.optimizer)}
 
     def close(self) -> None:
         pass
@@ -211,3 +203,8 @@ def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for t: a DTensor's local shard, else the tensor."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimiser's state tensors (Adam's moments) this rank holds."""
+    return sum(local_bytes(t) for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))

@@ -16,8 +16,6 @@ The effective batch is batch_size x world_size: 2 processes with batch 12 take t
 steps as one process with batch 24.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch
@@ -48,9 +46,8 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        cfg = self.cfg
-        return apply_ddp(module, self.device, cfg.compile_mode if cfg.compile else None, cfg.compile_scope,
-                         cfg.varying_lengths)
+        return apply_ddp(module, self.device, self.cfg.compile_mode if self.cfg.compile else None,
+                         self.cfg.compile_scope, self.cfg.varying_lengths)
 
     def compile_step(self, fn):
         return fn  # the model inside DDP is compiled (see wrap)

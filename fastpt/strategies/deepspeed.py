@@ -42,8 +42,6 @@ classes its checkpoints hold (`trusted_classes`), and takes last.pt's tag only a
 (deepspeed_checkpoint.py). The config and its checks are in deepspeed_config.py.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import functools
@@ -60,7 +58,7 @@ from fastpt.config import TrainConfig
 from fastpt.cluster import distributed
 from fastpt.errors import CheckpointError
 from fastpt.speedups.amp import MixedPrecision
-from fastpt.strategies.base import Strategy, local_bytes
+from fastpt.strategies.base import Strategy, local_bytes, optimizer_state_bytes
 from fastpt.strategies.deepspeed_checkpoint import checked_tag, weights_only_loads, written_by
 from fastpt.strategies.deepspeed_config import deepspeed_config
 from fastpt.strategies.optimizer import build_lr_scheduler, has_schedule
@@ -76,6 +74,7 @@ def _silenced():
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    skips_nonfinite_steps = False  # True under fp16: the engine's own dynamic scaler skips inf steps (setup)
 
     def __init__(self, cfg: TrainConfig, dist):
         super().__init__(cfg, dist)
@@ -107,8 +106,7 @@ class DeepSpeedStrategy(Strategy):
         self.module = self.model.module
         self.optimizer = self.model.optimizer  # the ZeRO wrapper; param_groups reach the inner Adam
         self.zero_stage = self.model.zero_optimization_stage()
-        # fp16 loss scaling happens inside the engine (its own dynamic scaler skips inf steps).
-        self._skips_nonfinite = self.ds_config.get("fp16", {}).get("enabled", False)
+        self.skips_nonfinite_steps = self.ds_config.get("fp16", {}).get("enabled", False)
         self._previous_tag: str | None = None
         self._skipped_before = self.model.skipped_steps  # step_was_skipped compares with it
 
@@ -132,10 +130,6 @@ class DeepSpeedStrategy(Strategy):
         """Unscale (fp16), clip to gradient_clipping, step, zero the gradients, the schedule: all inside the engine."""
         self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.model.step()
-
-    @property
-    def skips_nonfinite_steps(self) -> bool:
-        return self._skips_nonfinite
 
     def step_was_skipped(self) -> torch.Tensor:
         """The engine's fp16 scaler counts its skipped steps (`skipped_steps`, a host int: the engine has
@@ -177,8 +171,7 @@ class DeepSpeedStrategy(Strategy):
         Tags older than the one the current last.pt names are removed first, so a crash while
         writing the new one still leaves last.pt pointing at a complete checkpoint.
         """
-        folder = ckpt_dir / "deepspeed"
-        tag = f"global_step{self.model.global_steps}"
+        folder, tag = ckpt_dir / "deepspeed", f"global_step{self.model.global_steps}"
         distributed.barrier()
         if self.dist.is_main and folder.is_dir():
             for old in folder.iterdir():
@@ -233,8 +226,7 @@ class DeepSpeedStrategy(Strategy):
             args = argparse.Namespace(input_folder=str(folder / tag), output_folder=str(tmp), num_extract_workers=1,
                                       num_merge_workers=1, keep_temp_folder=False, strict=True,
                                       inject_missing_state=True)  # fastpt's engine stores no universal metadata
-            quiet = contextlib.nullcontext() if self.cfg.verbose else _silenced()
-            with quiet:
+            with contextlib.nullcontext() if self.cfg.verbose else _silenced():
                 ds_to_universal(args)
             os.rename(tmp, folder / universal)
         distributed.barrier()
@@ -255,17 +247,10 @@ class DeepSpeedStrategy(Strategy):
         else:
             param_bytes = sum(local_bytes(p) for p in params)
             masters, shared = self.optimizer.single_partition_of_fp32_groups, set()
-        master_bytes = sum(local_bytes(t) for t in masters if t.data_ptr() not in shared)
-        partition_numel = sum(t.numel() for t in masters)
-        grad_numel = partition_numel if self.zero_stage >= 2 else sum(p.numel() for p in params)
-        inner = self.optimizer.optimizer
-        return {
-            "param_bytes": param_bytes,
-            "grad_bytes": grad_numel * params[0].element_size(),
-            "optimizer_bytes": sum(local_bytes(t) for s in inner.state.values() for t in s.values()
-                                   if torch.is_tensor(t)),
-            "master_param_bytes": master_bytes,
-        }
+        grad_numel = sum(t.numel() for t in masters) if self.zero_stage >= 2 else sum(p.numel() for p in params)
+        return {"param_bytes": param_bytes, "grad_bytes": grad_numel * params[0].element_size(),
+                "optimizer_bytes": optimizer_state_bytes(self.optimizer.optimizer),  # the inner Adam's
+                "master_param_bytes": sum(local_bytes(t) for t in masters if t.data_ptr() not in shared)}
 
     def close(self) -> None:
         if self.model is not None:  # an engine was built (setup may have failed before)

@@ -7,8 +7,6 @@ whatever a crafted file asks. Every one of those loads is made `weights_only=Tru
 (`checked_tag`): a tag is a path DeepSpeed reads. `check_resume` runs both before any work.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import pickle
@@ -41,16 +39,13 @@ def trusted_classes() -> list:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def _names(classes: list) -> str:
-    return ", ".join(c.__name__ for c in classes)
-
-
 def _refused(path: Path, error: Exception) -> CheckpointError:
     """The restricted unpickler's error as one line: which file, and what it would have imported."""
     culprit = re.search(r"GLOBAL (\S+)|module (\S+) is blocked", str(error))
     what = f"it would import {culprit.group(1) or culprit.group(2)}" if culprit else "it holds more than plain data"
     return CheckpointError(f"refused to load {path}: {what}, an object fastpt does not trust (DeepSpeed checkpoints "
-                           f"load only tensors, plain data and DeepSpeed's {_names(trusted_classes())})")
+                           f"load only tensors, plain data and DeepSpeed's "
+                           f"{', '.join(c.__name__ for c in trusted_classes())})")
 
 
 @contextlib.contextmanager
@@ -96,8 +91,7 @@ def check_resume(training: dict, ckpt_dir: Path) -> None:
     "checkpoint_serialization": false, torch's older format); the load itself
     (`load_training_state`) checks again on every rank, also the files only other nodes see.
     """
-    folder = ckpt_dir / "deepspeed"
-    tag = checked_tag(training, ckpt_dir)
+    folder, tag = ckpt_dir / "deepspeed", checked_tag(training, ckpt_dir)
     for path in sorted([*(folder / tag).rglob("*.pt"), *(folder / f"{tag}-universal").rglob("*.pt")]):
         with weights_only_loads(path):
             try:

@@ -3,8 +3,6 @@ user gives one (--deepspeed-config), and the precisions DeepSpeed has kernels fo
 (`check_supported`). deepspeed.py's docstring says what each setting does and why these values.
 """
 
-from __future__ import annotations
-
 import json
 import os
 from pathlib import Path
@@ -71,9 +69,7 @@ def check_supported(cfg: TrainConfig, device: torch.device) -> None:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    supported = (accelerator.is_fp16_supported() if cfg.amp_dtype == "float16"
-                 else accelerator.is_bf16_supported())
-    if not supported:
+    if not (accelerator.is_fp16_supported() if cfg.amp_dtype == "float16" else accelerator.is_bf16_supported()):
         other = "bfloat16" if cfg.amp_dtype == "float16" else "float16"
         raise ValueError(f"--deepspeed --amp: DeepSpeed has no {cfg.amp_dtype} on this device "
                          f"({accelerator.device_name()}); use --amp-dtype {other} or drop --amp")

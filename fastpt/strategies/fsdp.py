@@ -41,8 +41,6 @@ no gather) is what scales to models that do not fit in one process's memory; thi
 models do, and one file keeps resume identical across strategies.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch
@@ -94,8 +92,7 @@ class FSDPStrategy(Strategy):
             self.precision.grad_scaler = ShardedGradScaler(self.device.type)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        param_dtype = self.precision.dtype if self.cfg.amp else None
-        return apply_fsdp(module, self.cfg.fsdp_reshard_after_forward, param_dtype,
+        return apply_fsdp(module, self.cfg.fsdp_reshard_after_forward, self.precision.dtype if self.cfg.amp else None,
                           self.cfg.compile_mode if self.cfg.compile else None, self.cfg.varying_lengths)
 
     @contextlib.contextmanager

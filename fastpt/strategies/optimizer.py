@@ -32,8 +32,6 @@ Lightning has no flag for either: a LightningModule's `configure_optimizers` ret
 and an `lr_scheduler` dict with `"interval": "step"`.
 """
 
-from __future__ import annotations
-
 import math
 import re
 
@@ -106,9 +104,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
     if training_steps is None:
         raise ValueError("a learning-rate schedule needs the run's number of optimiser steps")
     warmup = warmup_steps(cfg, training_steps)
-    kind = cfg.lr_schedule
 
     def factor(step: int) -> float:
-        return lr_factor(kind, step, warmup, training_steps)
+        return lr_factor(cfg.lr_schedule, step, warmup, training_steps)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
