@@ -425,7 +425,7 @@ def profile(args, names: list[str], out: Path, argv: list[str]) -> int:
 def cache_counters(cache: dict) -> str:
     """`fxgraph 3 hit / 0 miss / 0 bypass; autograd ...`, from results.json's compile_cache."""
     return "; ".join(f"{kind} " + " / ".join(f"{cache[f'{kind}_{event}']} {event}" for event in ("hit", "miss",
-                                                                                                   "bypass"))
+                                                                                                 "bypass"))
                      for kind in ("fxgraph", "autograd"))
 
 

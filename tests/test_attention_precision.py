@@ -94,7 +94,8 @@ def test_the_float32_form_is_closer_to_the_reference_than_bfloat16_attention():
 
 
 def batch_of(items, packed: bool) -> dict:
-    return PackedCollator(pad_id=0)(items) if packed else Collator(pad_id=0, pad_to="longest", max_length=MAX_LENGTH)(items)
+    collate = PackedCollator(pad_id=0) if packed else Collator(pad_id=0, pad_to="longest", max_length=MAX_LENGTH)
+    return collate(items)
 
 
 def logits_of(model, batch: dict) -> torch.Tensor:
@@ -112,7 +113,8 @@ def check_compiled_matches_eager(packed: bool, scope: str, backend: str, monkeyp
     counter = CompileCounterWithBackend(backend)
     if scope == "layers":
         compile = torch.compile
-        monkeypatch.setattr(torch, "compile", lambda target, **options: compile(target, **{**options, "backend": counter}))
+        monkeypatch.setattr(torch, "compile",
+                            lambda target, **options: compile(target, **{**options, "backend": counter}))
         compiled = functools.partial(logits_of, compile_layers(model, dynamic_tokens=True))
     else:
         compiled = torch.compile(functools.partial(logits_of, model), backend=counter, fullgraph=True, dynamic=True)
@@ -177,7 +179,7 @@ def test_the_rule_a_resume_and_rank_0_decide_what_is_measured():
         raise AssertionError("measured")
 
     chosen = {(device, amp, implementation, deterministic): (precision.rule(device, amp, implementation, deterministic)
-                                                         or {}).get("precision")
+                                                             or {}).get("precision")
               for device in ("cpu", "cuda") for amp in (None, "bfloat16", "float16")
               for implementation in ("sdpa", "eager") for deterministic in (False, True)}
     measured = {key for key, value in chosen.items() if value is None}
@@ -258,9 +260,8 @@ def test_a_bfloat16_cpu_run_measures_records_resumes_and_predicts_with_the_choic
 
 
 @pytest.mark.parametrize("flags,expected", [((), "float32"), (("--amp", "--amp-dtype", "bfloat16", "--deterministic"),
-                                                                   "bfloat16")], ids=["float32", "deterministic"])
+                                                              "bfloat16")], ids=["float32", "deterministic"])
 def test_a_float32_or_deterministic_run_measures_nothing(flags, expected, tiny_args, tmp_path, float32_wins):
     assert main(tiny_args("--pack", "--epochs", "1", *flags, out=tmp_path / "run")) == 0
     assert float32_wins == []
     assert json.loads((tmp_path / "run" / "results.json").read_text())["attention_precision"]["precision"] == expected
-

@@ -113,7 +113,7 @@ def test_own_data_whose_metadata_was_changed_is_refused(change, tmp_path, capsys
 @pytest.mark.parametrize("umask", [0o022, 0o002], ids=["022", "002"])
 @pytest.mark.parametrize("trusted", [False, True], ids=["own", "trusted"])
 def test_cache_folders_follow_the_umask_less_others_write_unless_trusted(umask, trusted, imdb_dir, tmp_path,
-                                                                        monkeypatch):
+                                                                         monkeypatch):
     if trusted:  # a team's cache folder: what the umask gives, group write included
         monkeypatch.setenv("FASTPT_TRUST_DIRS", str(tmp_path / "cache"))
     previous = os.umask(umask)

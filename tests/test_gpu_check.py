@@ -40,7 +40,7 @@ def test_staged_wheel_requirements_are_checked_against_the_gpu_machine(tmp_path)
                                           'winonly; sys_platform == "win32"', 'extra-dep; extra == "docs"'])
     make_wheel(tmp_path, "beta", "2.1")
     problems, unverified = stage.check_requirements(tmp_path, stage.gpu_machine_version,
-                                                        stage.GPU_MACHINE_MARKERS)
+                                                    stage.GPU_MACHINE_MARKERS)
     assert problems == ["alpha needs numpy>=99, found numpy 2.5.2",
                         "alpha needs nosuchpkg: neither staged nor installed"]
     assert unverified == ["alpha needs pyarrow>=24"]  # on the machine, version not known here
@@ -156,7 +156,8 @@ def test_validation_time_leaves_out_only_the_calls_that_compiled(monkeypatch):
         now[0] += 1.0
         return compiled(model, batch)
 
-    strategy = SimpleNamespace(model=model, train=model.train, to_device=lambda batch: batch, device=torch.device("cpu"))
+    strategy = SimpleNamespace(model=model, train=model.train, to_device=lambda batch: batch,
+                               device=torch.device("cpu"))
     batches = [{"x": torch.randn(3, 4)} for _ in range(3)]
     compile_clock = metrics.CompileClock()
     first, second = (evaluation.evaluate(strategy, batches, eval_sums, compile_clock=compile_clock) for _ in range(2))

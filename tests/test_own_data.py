@@ -119,7 +119,8 @@ assert "deepspeed" not in sys.modules
 ns = types.SimpleNamespace
 outputs.export(sys.argv[1], ns(is_main=True, device=torch.device("cpu")),
                ns(model_state_dict=model.state_dict, cfg=ns(max_length=20)),
-               ns(model_config=model.config, label_names=["a", "b"], tokenizer=load_tokenizer("tiny")), ns(print=print))
+               ns(model_config=model.config, label_names=["a", "b"], data_label_names=None,
+                  tokenizer=load_tokenizer("tiny")), ns(print=print))
 print("deepspeed imported" if "deepspeed" in sys.modules else "deepspeed not imported")
 """
 

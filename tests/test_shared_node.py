@@ -256,8 +256,8 @@ def test_a_run_folder_another_user_can_change_is_neither_resumed_nor_written(
 
         monkeypatch.setenv("FASTPT_TRUST_DIRS", str(out.parent))
         assert load(out / "checkpoints" / "last.pt")["progress"]["global_step"] == 2
-        assert main(run_flags(imdb_dir, cache_dir, out, "--resume", "auto", "--epochs", "2", "--max-steps", "3", "--save-every",
-                              "1")) == 0
+        assert main(run_flags(imdb_dir, cache_dir, out, "--resume", "auto", "--epochs", "2", "--max-steps", "3",
+                              "--save-every", "1")) == 0
         assert load(out / "checkpoints" / "last.pt")["progress"]["global_step"] == 3
 
 
@@ -372,8 +372,6 @@ def test_data_that_is_not_a_regular_file_is_one_line_not_a_hang(data, tmp_path, 
 def lock_of(imdb_dir, cache: Path) -> Path:
     key = token_cache.cache_key(imdb.find_source(str(imdb_dir)), load_tokenizer("tiny"))
     return cache / f"imdb-{key}.lock"  # computable in advance by anyone: the key is the data's and tokenizer's
-
-
 
 
 @pytest.mark.timeout(120)  # before the fix the run waited until killed

@@ -80,7 +80,7 @@ def _train_on(folder, data, tmp_path, cache_dir, *extra):
 # ---------------------------------------------------------------------------- crafted model folders
 
 def test_a_crafted_bin_beside_a_safetensors_of_another_name_is_refused_in_one_line(export, tmp_path, capsys,
-                                                                                    cache_dir):
+                                                                                   cache_dir):
     """transformers loads pytorch_model.bin unless model.safetensors (or its index) is there: an
     `other.safetensors` beside it changes nothing, so the .bin is what fastpt checks (and refuses)."""
     folder = _copy_export(export, tmp_path)

@@ -47,14 +47,14 @@ def check_resume_compatible(cfg: TrainConfig, state: dict, world_size: int, path
     if not isinstance(state, dict) or not {"progress", "config", "training", "per_rank"} <= state.keys():
         raise CheckpointError(f"{path} is not a fastpt last.pt checkpoint")
     compare_settings(cfg, {**state["config"], "world_size": state.get("world_size")}, world_size,
-                      f"cannot resume from {path}", batch_size_flag=resize.batch_size_flag(state))
+                     f"cannot resume from {path}", batch_size_flag=resize.batch_size_flag(state))
     if cfg.strategy == "deepspeed":  # last.pt names a folder of DeepSpeed pickles: checked before any work
         from fastpt.strategies.deepspeed_checkpoint import check_resume
         check_resume(state["training"], path.parent)
 
 
 def compare_settings(cfg: TrainConfig, saved: dict, world_size: int, context: str,
-                      batch_size_flag: int | None = None) -> None:
+                     batch_size_flag: int | None = None) -> None:
     """CheckpointError naming the first setting that differs from the saved run's.
 
     With a checkpoint (batch_size_flag given) the number of processes may change (resize.py), and
@@ -88,7 +88,8 @@ def data_key(inputs) -> str:
 
 
 def check_same_data(plan, cfg: TrainConfig, inputs) -> None:
-    """A resume (run_folder.OutPlan) continues on the data it started on, into the model it started with; CheckpointError
+    """A resume (run_folder.OutPlan) continues on the data it started on, into the model it started with;
+    CheckpointError
     otherwise, before anything is written (config.json included).
 
     The same path with other rows, or a new class, is other data: its content key differs from the

@@ -38,8 +38,6 @@ from fastpt.cli.run_lock import RunFolderLock, check_owner
 from fastpt.config import TrainConfig
 
 
-
-
 class RunFinished(Exception):
     """--resume on a run that has its results.json: nothing to do."""
 
@@ -239,8 +237,8 @@ def finished_run(out: Path, overwrite: bool) -> bool:
         results = None
     if not isinstance(results, dict) or "test_acc" not in results:
         raise ValueError(f"--out {out} holds a results.json that is not a finished run's (cut short, damaged, or not "
-                         f"a plain file); move it away to continue the run (--resume auto), or pass --overwrite to train "
-                         f"it again")
+                         f"a plain file); move it away to continue the run (--resume auto), or pass --overwrite to "
+                         f"train it again")
     return True
 
 

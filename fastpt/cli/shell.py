@@ -50,7 +50,7 @@ from fastpt.cli.preflight import (check_device_support, check_environment, cpu_h
 from fastpt.cli import run_folder
 from fastpt.config import TrainConfig
 from fastpt.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
-                                     Requeued, StopRequested, one_line)
+                           Requeued, StopRequested, one_line)
 from fastpt.cluster.signals import Interrupted, hold_warning_signal, interrupt_on_signals, settle, terminal_streams
 
 

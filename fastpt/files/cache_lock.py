@@ -125,7 +125,8 @@ def wait_for(fd: int, lock_path: Path, patience: float) -> None:
         whose = "" if file_owner in (uid, os.getuid(), 0) else f" (its file is {trust.owner_name(file_owner)}'s)"
         raise DataError(f"the token cache's lock {lock_path} is held by {holder}{whose}: a cache another user builds "
                         f"is not used here, so this run does not wait for it. Choose another {setting}, or, for a "
-                        f"cache folder your team shares on purpose, trust it: {trust.TRUST_VARIABLE}={lock_path.parent}")
+                        f"cache folder your team shares on purpose, trust it: "
+                        f"{trust.TRUST_VARIABLE}={lock_path.parent}")
     print(f"waiting for {lock_path}: {holder} holds it (building that token cache); giving up after {patience:g} s "
           f"without progress ({LOCK_WAIT_VARIABLE}=seconds waits longer)", file=sys.stderr, flush=True)
     seen, since = progress_mark(fd, lock_path), time.monotonic()

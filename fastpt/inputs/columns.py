@@ -97,8 +97,9 @@ def check_texts(table: Table, column: str) -> None:
     broken = [i for i, v in enumerate(table.columns[column]) if _SURROGATE.search(v)]
     if broken:
         raise DataError(f"{table.where}: {len(broken)} text{'' if len(broken) == 1 else 's'} in column "
-                        f"{show_column(column)} hold{'s' if len(broken) == 1 else ''} a lone surrogate (an escape such as \\ud800 that is half of "
-                        f"a character) ({_places(table, broken)}); fix the escapes or leave those rows out")
+                        f"{show_column(column)} hold{'s' if len(broken) == 1 else ''} a lone surrogate "
+                        f"(an escape such as \\ud800 that is half of a character) ({_places(table, broken)}); "
+                        f"fix the escapes or leave those rows out")
 
 
 def read_label(value):

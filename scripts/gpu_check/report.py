@@ -11,6 +11,7 @@ from bench_single import bar_chart
 
 from .plan import ARTICLE, ARTICLE_MINUTES, DRY, Mode, Row, measured_val_rate
 
+
 def figures(row: Row, rows: list[Row], mode: Mode) -> dict:
     """What one row's table line shows; None where results.json lacks the figure."""
     r = row.result
@@ -68,7 +69,8 @@ def write_report(out: Path, mode: Mode, args, env: dict, setup: dict, notes: lis
         f = table[r.name]
         first = fmt(f["first_step_s"], ".1f", " s") + (f" ({f['compile_time_s']:.1f} s)" if f["compile_time_s"] else "")
         lines.append(f"| {r.name} | {r.framework} | {flags} | {fmt(f['samples_per_s'], '.1f')} | "
-                     f"{fmt(f['real_tokens_per_s'], '.0f')} | {fmt(f['mfu_real'] and 100 * f['mfu_real'], '.1f', '%')} | "
+                     f"{fmt(f['real_tokens_per_s'], '.0f')} | "
+                     f"{fmt(f['mfu_real'] and 100 * f['mfu_real'], '.1f', '%')} | "
                      f"{fmt(f['peak_memory_gib'], '.2f', ' GiB')} | {first} | "
                      f"{fmt(f['article_train_min'], '.2f', ' min')} | "
                      f"{fmt(f['article_val_min'], '.2f', ' min')} | {fmt(f['fastpt_over_lightning'], '.2f', 'x')} | "
