@@ -165,3 +165,19 @@ def pytest_collection_modifyitems(config, items):
         items.reverse()
     elif order == "shuffle":
         random.Random(config.getoption("--test-order-seed")).shuffle(items)
+
+
+def flip_labels(path: Path) -> None:
+    """What another user with write access could do to a token cache: every label flipped, written in place."""
+    import shutil
+
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    flipped = datasets.DatasetDict({name: split.map(lambda row: {"label": 1 - row["label"]}, keep_in_memory=True)
+                                    for name, split in loaded.items()})
+    staging = path.parent / "staging"
+    flipped.save_to_disk(str(staging))
+    for file in staging.rglob("*.arrow"):
+        shutil.copyfile(file, path / file.relative_to(staging))
+    shutil.rmtree(staging)

@@ -16,6 +16,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+from conftest import flip_labels
 
 from fastpt.inputs import token_cache
 from fastpt.inputs.models import load_tokenizer
@@ -55,18 +56,6 @@ def leftovers(folder: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- a changed cache is refused
-
-def flip_labels(path: Path) -> None:
-    """What another user with write access could do: the same cache, every label flipped, written in place."""
-    loaded = datasets.load_from_disk(str(path))
-    flipped = datasets.DatasetDict({name: split.map(lambda row: {"label": 1 - row["label"]}, keep_in_memory=True)
-                                    for name, split in loaded.items()})
-    staging = path.parent / "staging"
-    flipped.save_to_disk(str(staging))
-    for file in staging.rglob("*.arrow"):
-        shutil.copyfile(file, path / file.relative_to(staging))
-    shutil.rmtree(staging)
-
 
 def test_an_imdb_cache_whose_labels_were_rewritten_is_refused_not_trained_on(imdb_dir, tmp_path, capsys):
     cache, out = tmp_path / "cache", tmp_path / "run"

@@ -61,30 +61,35 @@ def folder_imports(package: Path) -> dict[tuple[str, str], list[str]]:
     return edges
 
 
-def folder_cycle(edges) -> list[str]:
-    """One cycle among the folders ([] if none), found by a depth-first walk."""
-    graph: dict[str, set[str]] = {}
-    for source, target in edges:
-        graph.setdefault(source, set()).add(target)
+def cycle_in(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle in a graph of names ([] if none), found by a depth-first walk."""
     done, path = set(), []
 
-    def walk(folder):
-        if folder in path:
-            return path[path.index(folder):] + [folder]
-        if folder in done:
+    def walk(node):
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
             return []
-        path.append(folder)
-        for target in sorted(graph.get(folder, ())):
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
             if cycle := walk(target):
                 return cycle
         path.pop()
-        done.add(folder)
+        done.add(node)
         return []
 
-    for folder in sorted(graph):
-        if cycle := walk(folder):
+    for node in sorted(graph):
+        if cycle := walk(node):
             return cycle
     return []
+
+
+def folder_cycle(edges) -> list[str]:
+    """One cycle among the folders ([] if none)."""
+    graph: dict[str, set[str]] = {}
+    for source, target in edges:
+        graph.setdefault(source, set()).add(target)
+    return cycle_in(graph)
 
 
 def test_no_folder_imports_upward_or_in_a_cycle():
@@ -128,23 +133,8 @@ def test_no_two_files_import_each_other_in_a_circle():
     graph = {name: {m for m in imported_modules(path) if m in modules and m != name and not m.endswith("__init__")}
              for name, path in modules.items()}
     graph = {name: {t for t in targets if modules[t].name != "__init__.py"} for name, targets in graph.items()}
-    done, path = set(), []
-
-    def walk(node):
-        if node in path:
-            return path[path.index(node):] + [node]
-        if node in done:
-            return []
-        path.append(node)
-        for target in sorted(graph.get(node, ())):
-            if cycle := walk(target):
-                return cycle
-        path.pop()
-        done.add(node)
-        return []
-
-    for name in sorted(graph):
-        assert not (cycle := walk(name)), f"files import each other in a circle: {' -> '.join(cycle)}"
+    cycle = cycle_in(graph)
+    assert not cycle, f"files import each other in a circle: {' -> '.join(cycle)}"
 
 
 def test_the_runs_order_lives_in_train_py_alone():

@@ -18,9 +18,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
+from conftest import flip_labels
 
 from fastpt.files import cache_lock, shared_cache
 from fastpt.inputs import imdb, token_cache
@@ -295,14 +295,7 @@ def imdb_cache(imdb_dir, cache: Path) -> Path:
 
 def flip_labels_and_digest(path: Path) -> None:
     """What another user who can write the folder could do: every label flipped, and the digest written again."""
-    loaded = datasets.load_from_disk(str(path))
-    flipped = datasets.DatasetDict({name: split.map(lambda row: {"label": 1 - row["label"]}, keep_in_memory=True)
-                                    for name, split in loaded.items()})
-    staging = path.parent / "staging"
-    flipped.save_to_disk(str(staging))
-    for file in staging.rglob("*.arrow"):
-        shutil.copyfile(file, path / file.relative_to(staging))
-    shutil.rmtree(staging)
+    flip_labels(path)
     (path / shared_cache.DIGEST).write_text(json.dumps({"sha256": shared_cache.file_digests(path)}))
 
 
