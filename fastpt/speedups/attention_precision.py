@@ -17,12 +17,13 @@ the numbers of a run that must repeat bitwise). results.json's `attention_precis
 choice and both times, and the run prints them. fastpt-predict measures the same way at its own
 first batch, forward only (its work has no backward).
 
-Why it can be faster: measured on a 2-core AMD EPYC with AVX512-BF16 but no AMX, one MiniLM
-layer's packed attention (12 heads of 32, reviews of 121-501 tokens), forward + backward, median
-of 5: the flash kernel took 67.6 ms in bfloat16 and 41.0 ms on float32 copies; a whole packed
-bfloat16 run (400 reviews, 512 tokens) 35.7 s, and 29.7 s with float32 attention, test accuracy
-unchanged. The kernel's 16-bit path is slower there than its own float32 one; on a CPU with AMX
-(oneDNN's bfloat16 tiles) the order may be the other, hence a measurement and not a rule. On CUDA
+Why it can be faster: CPU flash attention converts 16-bit inputs inside the kernel, and on a CPU
+without AMX that path is slower than its own float32 one. Measured on a 2-core AMD EPYC with
+AVX512-BF16 but no AMX (2026-12-02, scripts/results/compare-peers-goal-before-aa90c3f.md), the
+goal workload's packed bfloat16 run (MiniLM, 400 reviews, 512 tokens) measured one layer's
+attention at 77.7 ms in bfloat16 and 63.6 ms on float32 copies, took float32, and trained in
+36.3 s against 39.9 s with attention always in bfloat16, test accuracy unchanged. On a CPU with
+AMX (oneDNN's bfloat16 tiles) the order may be the other, hence a measurement and not a rule. On CUDA
 bfloat16 flash (and varlen) is the fast path: nothing is measured and nothing changes.
 
 What it costs: the measurement (under a second at the articles' shapes), once per run; the
