@@ -27,14 +27,14 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from fastpt.files import trust
+from fastpt.errors import DiskFull
+from fastpt.files import checkpoint, trust
 
 SQUARE = 2048
 PROBE_S = 0.25  # seconds per timing; the best of three timings per shape
@@ -156,21 +156,14 @@ def cache_path(cache_root: Path, folder: str, key: dict) -> Path:
 
 
 def write_cached(path: Path, found: dict) -> None:
-    """Atomically (ranks may write the same file at once), through a temporary file of a random name
-    created for this write alone (mkstemp: O_EXCL), renamed over the cache's name: a symbolic link
-    someone left at either name is replaced, never written through. Skipped where the folder is not
-    this user's alone (files/trust.py), or cannot be written."""
+    """Atomically (ranks may write the same file at once), as every file a run writes
+    (files/checkpoint.py's `write_atomic`: a temporary file of a random name created for this write
+    alone, O_EXCL, renamed over the cache's name), so a symbolic link someone left at either name is
+    replaced, never written through. Skipped where the folder is not this user's alone
+    (files/trust.py), cannot be written, or the disk is full: the cache only saves a measurement."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if trust.problem(path.parent) is not None:
-            return
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(found, indent=1))
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError:
+        if trust.problem(path.parent) is None:
+            checkpoint.write_atomic(path, lambda f: f.write(json.dumps(found, indent=1).encode()))
+    except (OSError, DiskFull):
         pass
