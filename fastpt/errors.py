@@ -6,11 +6,24 @@ transformers), so that the command line can tell them apart without loading eith
 
 from __future__ import annotations
 
+import errno
+
 
 def one_line(e: BaseException, limit: int | None = None) -> str:
     """The message on one line (some, tarfile's or Hugging Face's, span several), cut at `limit` characters."""
     text = " ".join(str(e).split()) or e.__class__.__name__
     return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """Whether e, or an error it was raised while handling, says the disk or quota is full.
+
+    torch.save reports a full disk as a RuntimeError of its zip writer raised while handling the OSError."""
+    while e is not None:
+        if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)):
+            return True  # pyarrow's writers raise OSError("... No space left on device") without an errno
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class DataError(RuntimeError):

@@ -86,19 +86,15 @@ def take_lock(lock_path: Path) -> int:
         except BaseException:
             os.close(fd)
             raise
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
                 return fd
-        except FileNotFoundError:
-            pass
         os.close(fd)
 
 
 def lock_patience() -> float:
     """FASTPT_LOCK_WAIT: how many seconds to wait on a lock whose holder shows no progress."""
-    value = os.environ.get(LOCK_WAIT_VARIABLE)
-    if value is None:
-        return LOCK_WAIT_S
+    value = os.environ.get(LOCK_WAIT_VARIABLE, str(LOCK_WAIT_S))
     try:
         seconds = float(value)
     except ValueError:

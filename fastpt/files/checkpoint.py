@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastpt.errors import CheckpointError, DiskFull, one_line
+from fastpt.errors import CheckpointError, DiskFull, disk_full, one_line
 from fastpt.files import trust
 
 
@@ -65,17 +64,6 @@ def write_atomic(path: Path, write) -> None:
                            f"{shutil.disk_usage(path.parent).free:,} free") from None
         raise
     _fsync_dir(path.parent)
-
-
-def disk_full(e: BaseException | None) -> bool:
-    """Whether e, or an error it was raised while handling, says the disk or quota is full.
-
-    torch.save reports a full disk as a RuntimeError of its zip writer raised while handling the OSError."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def _create_temporary(path: Path) -> tuple[int, Path]:
@@ -113,18 +101,13 @@ def plain_file_mode(folder: Path) -> int:
         tmp.unlink(missing_ok=True)
 
 
-class _ByteCounter:
+class _ByteCounter(io.IOBase):
     """A file that keeps nothing and counts what is written to it."""
-
-    def __init__(self):
-        self.written = 0
+    written = 0
 
     def write(self, data) -> int:
         self.written += len(data)
         return len(data)
-
-    def flush(self) -> None:
-        pass
 
 
 def _size_of(write) -> int | None:
@@ -196,9 +179,8 @@ def exported_files(folder: Path) -> list[str]:
         listed = json.loads((Path(folder) / EXPORT_MANIFEST).read_text()).get("files")
     except (OSError, ValueError, AttributeError):
         return []
-    if not isinstance(listed, list):
-        return []
-    return [name for name in listed if isinstance(name, str) and name not in ("", ".", "..") and "/" not in name]
+    names = listed if isinstance(listed, list) else []
+    return [name for name in names if isinstance(name, str) and name not in ("", ".", "..") and "/" not in name]
 
 
 def write_export(folder: Path, save) -> None:

@@ -33,17 +33,15 @@ and, with one FASTPT_CACHE_DIR for a team, by other users. What that takes:
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
-import pwd
 import secrets
 import shutil
 import stat
 from pathlib import Path
 
-from fastpt.errors import DataError, DiskFull
+from fastpt.errors import DataError, DiskFull, disk_full
 from fastpt.files import trust
 from fastpt.files.cache_lock import cache_setting, showing_progress, take_lock  # noqa: F401 (cache_setting: shell.py's)
 
@@ -92,11 +90,8 @@ def file_digests(folder: Path) -> dict[str, str]:
     for path in sorted(folder.rglob("*")):
         name = path.relative_to(folder).as_posix()
         if path.is_file() and name != DIGEST:
-            h = hashlib.sha256()
             with open(path, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
-            digests[name] = h.hexdigest()
+                digests[name] = hashlib.file_digest(f, "sha256").hexdigest()
     return digests
 
 
@@ -186,8 +181,8 @@ def reported(path: Path):
         yield
     except OSError as e:
         setting = cache_setting(str(path.parent))
-        if no_space(e):
-            free = shutil.disk_usage(existing_parent(path)).free
+        if disk_full(e):
+            free = shutil.disk_usage(nearest_seen(path)[0]).free
             raise DiskFull(f"no space left in {path.parent} for the token cache {path.name}: {free:,} bytes free; "
                            f"free some space or choose another {setting}") from None
         if isinstance(e, PermissionError):
@@ -215,34 +210,17 @@ def agree(outcomes: list, builder: int) -> Path:
     return Path(outcomes[builder][1])
 
 
-def no_space(e: BaseException | None) -> bool:
-    """Whether e, or an error it was raised while handling, says the disk or quota is full."""
-    while e is not None:
-        if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)):
-            return True  # pyarrow's writers raise OSError("... No space left on device") without an errno
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+def nearest_seen(path: Path) -> tuple[Path, os.stat_result]:
+    """The cache itself, or the nearest folder above it this user can see, and its stat."""
+    for folder in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            return folder, folder.stat()
 
 
 def permission_line(path: Path, setting: str) -> str:
     """Which cache folder is closed to this user, and whose it is."""
-    for folder in (path, *path.parents):  # the cache itself, or the nearest folder above it we can see
-        try:
-            st = folder.stat()
-            break
-        except OSError:
-            continue
-    try:
-        owner = pwd.getpwuid(st.st_uid).pw_name
-    except KeyError:
-        owner = f"uid {st.st_uid}"
-    mode = stat.filemode(st.st_mode)
+    folder, st = nearest_seen(path)
+    owner, mode = trust.owner_name(st.st_uid), stat.filemode(st.st_mode)
     if st.st_uid == os.getuid():
         return (f"no permission to use the token cache {folder} (yours, {mode}): chmod -R u+rwX {folder}, "
                 f"or choose another {setting}")

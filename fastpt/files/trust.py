@@ -41,14 +41,11 @@ JSON_LIMIT = 16 << 20  # bytes: far above any JSON fastpt writes (a config, a di
 
 # ---------------------------------------------------------------------------- trusted folders
 
-def trusted_folders() -> list[Path]:
-    return [Path(os.path.realpath(p)) for p in os.environ.get(TRUST_VARIABLE, "").split(os.pathsep) if p]
-
-
 def trusted(path: Path) -> bool:
     """Whether path is, or lies inside, a folder named in FASTPT_TRUST_DIRS."""
     real = Path(os.path.realpath(path))
-    return any(real == folder or folder in real.parents for folder in trusted_folders())
+    return any(real.is_relative_to(os.path.realpath(folder))
+               for folder in os.environ.get(TRUST_VARIABLE, "").split(os.pathsep) if folder)
 
 
 def folder_mode(path: Path) -> int:
@@ -164,16 +161,11 @@ def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int
     return fd
 
 
-def read_regular(path: Path, limit: int = JSON_LIMIT) -> bytes:
-    """The bytes of the regular file at path (never through a symbolic link); ValueError beyond `limit` bytes."""
-    fd = open_regular(path)
-    with os.fdopen(fd, "rb") as f:
+def read_json(path: Path, limit: int = JSON_LIMIT):
+    """A JSON file, read from the regular file at path (never through a symbolic link); OSError or ValueError
+    when it cannot be, ValueError beyond `limit` bytes."""
+    with os.fdopen(open_regular(path), "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"{path} is larger than {limit:,} bytes")
-    return data
-
-
-def read_json(path: Path, limit: int = JSON_LIMIT):
-    """A JSON file, read as `read_regular` reads; OSError or ValueError when it cannot be."""
-    return json.loads(read_regular(path, limit))
+    return json.loads(data)
