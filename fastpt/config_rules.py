@@ -3,8 +3,6 @@ others need, the ones a resume compares, and `check`, which `TrainConfig.__post_
 (config.py). Each rule is one line in a table or one `ValueError` whose message names the flag.
 """
 
-from __future__ import annotations
-
 import math
 import os
 
@@ -28,25 +26,23 @@ CHOICES = {
     "lr_schedule": ("constant", "linear", "cosine"),
 }
 
-# Settings that mean something only beside a switch: (the switch's flag, whether a config has it on).
+# Settings that mean something only beside a switch: (the switch's flag, whether a config has it on, the settings).
 # The command line refuses them without it (args.py); TensorBoard's HPARAMS leaves them out (tracking.py).
-NEEDS = {
-    "amp_dtype": ("--amp", lambda c: c.get("amp")),
-    "compile_mode": ("--compile", lambda c: c.get("compile")),
-    "compile_scope": ("--compile", lambda c: c.get("compile")),
-    "bucket_multiplier": ("--bucket", lambda c: c.get("bucket")),
-    "pack_attention": ("--pack", lambda c: c.get("pack")),
-    "zero_stage": ("--deepspeed", lambda c: c.get("strategy") == "deepspeed"),
-    "deepspeed_config": ("--deepspeed", lambda c: c.get("strategy") == "deepspeed"),
-    "fsdp_reshard_after_forward": ("--fsdp", lambda c: c.get("strategy") == "fsdp"),
-    "min_delta": ("--early-stopping-patience", lambda c: c.get("early_stopping_patience") is not None),
-    "weight_decay": ("--optimizer adamw", lambda c: c.get("optimizer") == "adamw"),
-    "pack_multiple": ("--pack", lambda c: c.get("pack")),
+SWITCHES = (
+    ("--amp", lambda c: c.get("amp"), ("amp_dtype",)),
+    ("--compile", lambda c: c.get("compile"), ("compile_mode", "compile_scope")),
+    ("--bucket", lambda c: c.get("bucket"), ("bucket_multiplier",)),
+    ("--pack", lambda c: c.get("pack"), ("pack_attention", "pack_multiple")),
+    ("--deepspeed", lambda c: c.get("strategy") == "deepspeed", ("zero_stage", "deepspeed_config")),
+    ("--fsdp", lambda c: c.get("strategy") == "fsdp", ("fsdp_reshard_after_forward",)),
+    ("--early-stopping-patience", lambda c: c.get("early_stopping_patience") is not None, ("min_delta",)),
+    ("--optimizer adamw", lambda c: c.get("optimizer") == "adamw", ("weight_decay",)),
     # Your own data (fastpt/inputs/own_data.py): these describe the table --data names.
-    **{name: ("--data", lambda c: c.get("data")) for name in (
-        "val_data", "test_data", "text_column", "text_pair_column", "label_column", "val_fraction",
-        "test_fraction", "split_seed")},
-}
+    ("--data", lambda c: c.get("data"), ("val_data", "test_data", "text_column", "text_pair_column", "label_column",
+                                         "val_fraction", "test_fraction", "split_seed")),
+)
+# Each setting of those: (the switch's flag, whether a config has it on).
+NEEDS = {name: (flag, present) for flag, present, names in SWITCHES for name in names}
 
 # Settings that change what a checkpoint holds: resuming with any of them changed is refused.
 RESUME_SENSITIVE = (
@@ -82,28 +78,27 @@ def flag_name(name: str) -> str:
     return FLAG_NAMES.get(name, name.replace("_", "-"))
 
 
+# The numbers' ranges, in the order they are checked: (the settings, the rule as the message says it, the test).
+# A setting left unset (None) passes; float("nan") and float("inf") parse as floats, so the finite test comes first.
+RANGES = (
+    (("save_every_minutes",), "must be 0 (off) or positive", lambda v: math.isfinite(v) and v >= 0),
+    (("lr", "min_delta", "max_grad_norm", "weight_decay", "warmup_ratio"), "must be a finite number", math.isfinite),
+    (("max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier", "lr", "eval_batch_size",
+      "dist_timeout", "train_size", "val_size", "test_size", "max_steps", "save_every", "early_stopping_patience",
+      "pack_multiple", "max_grad_norm"), "must be positive", lambda v: v > 0),
+    (("min_delta", "num_workers", "weight_decay", "warmup_steps"), "must be >= 0", lambda v: v >= 0),
+    (("warmup_ratio",), "must be between 0 and 1", lambda v: 0 <= v <= 1),
+    (("seed", "split_seed"), "must be between 0 and 2**32 - 1", lambda v: 0 <= v < 2**32),  # numpy's RandomState
+)
+
+
 def check(cfg) -> None:
     """Every value alone and beside the others; ValueError, with a one-line message naming the flag."""
-    # float("nan") and float("inf") parse as floats; none of these settings means anything with them.
-    if not (math.isfinite(cfg.save_every_minutes) and cfg.save_every_minutes >= 0):
-        raise ValueError(f"--save-every-minutes must be 0 (off) or positive, got {cfg.save_every_minutes}")
-    for name in ("lr", "min_delta", "max_grad_norm", "weight_decay", "warmup_ratio"):
-        value = getattr(cfg, name)
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"--{flag_name(name)} must be a finite number, got {value}")
-    for name in ("max_length", "batch_size", "epochs", "grad_accum", "log_every", "bucket_multiplier", "lr",
-                 "eval_batch_size", "dist_timeout", "train_size", "val_size", "test_size", "max_steps", "save_every",
-                 "early_stopping_patience", "pack_multiple", "max_grad_norm"):
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag_name(name)} must be positive, got {value}")
-    for name in ("min_delta", "num_workers", "weight_decay", "warmup_steps"):
-        value = getattr(cfg, name)
-        if value is not None and value < 0:
-            raise ValueError(f"--{flag_name(name)} must be >= 0, got {value}")
-    for name in ("seed", "split_seed"):  # numpy's RandomState takes 0 .. 2**32 - 1
-        if not 0 <= getattr(cfg, name) < 2**32:
-            raise ValueError(f"--{flag_name(name)} must be between 0 and 2**32 - 1, got {getattr(cfg, name)}")
+    for names, rule, ok in RANGES:
+        for name in names:
+            value = getattr(cfg, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"--{flag_name(name)} {rule}, got {value}")
     if cfg.requeue_signal not in CATCHABLE_SIGNALS:
         raise ValueError(f"--requeue-signal {cfg.requeue_signal}: choose one of {', '.join(CATCHABLE_SIGNALS)}")
     if cfg.max_length > 512:

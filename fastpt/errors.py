@@ -4,8 +4,6 @@ The classes live here, apart from the modules that raise them (they import torch
 transformers), so that the command line can tell them apart without loading either.
 """
 
-from __future__ import annotations
-
 import errno
 
 

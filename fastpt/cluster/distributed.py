@@ -28,8 +28,6 @@ collective: a rank whose peers are gone or hung stops with an error (`lost_conta
 waiting forever.
 """
 
-from __future__ import annotations
-
 import os
 import socket
 import sys

@@ -26,8 +26,6 @@ a per-process batch that grows when processes are lost (memory), and the dropout
 Lightning has no flag for this.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import random
 

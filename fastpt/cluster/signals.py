@@ -35,8 +35,6 @@ removes what it created and says so (cli/shell.py) instead of dying silently wit
 No torch import here: the command line installs this before torch loads.
 """
 
-from __future__ import annotations
-
 import contextlib
 import datetime
 import errno

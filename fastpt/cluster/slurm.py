@@ -30,8 +30,6 @@ PreemptMode says so.
 No torch import at the top: the command line reads this before torch loads.
 """
 
-from __future__ import annotations
-
 import os
 import re
 import subprocess

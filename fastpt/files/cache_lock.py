@@ -10,8 +10,6 @@ file is opened only as a regular file of the user's own, never through a symboli
 (files/trust.py).
 """
 
-from __future__ import annotations
-
 import contextlib
 import errno
 import fcntl
@@ -20,7 +18,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 from fastpt.errors import DataError
 from fastpt.files import trust
@@ -31,7 +28,7 @@ HEARTBEAT_S = 30.0  # a builder touches its lock this often: the progress a wait
 POLL_S = 1.0  # a waiting run tries the lock again this often
 
 
-def cache_setting(cache_dir: Optional[str]) -> str:
+def cache_setting(cache_dir: str | None) -> str:
     """The setting an error about the cache folder names: FASTPT_CACHE_DIR where the folder is its value
     (the run's config holds the resolved folder either way), else --cache-dir."""
     env = os.environ.get("FASTPT_CACHE_DIR")
@@ -155,7 +152,7 @@ def progress_mark(fd: int, lock_path: Path) -> tuple:
     return os.fstat(fd).st_mtime_ns, max(folders, default=0)
 
 
-def lock_holder(fd: int) -> tuple[Optional[int], Optional[int]]:
+def lock_holder(fd: int) -> tuple[int | None, int | None]:
     """(pid, uid) of the process holding a flock on fd's file, where Linux's /proc/locks says; else Nones."""
     st = os.fstat(fd)
     device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"

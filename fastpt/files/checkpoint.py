@@ -13,8 +13,6 @@
   A saved state dict loads into a plain Hugging Face model.
 """
 
-from __future__ import annotations
-
 import io
 import json
 import os

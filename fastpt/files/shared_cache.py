@@ -30,8 +30,6 @@ and, with one FASTPT_CACHE_DIR for a team, by other users. What that takes:
   (naming it and whose it is); under torchrun every rank stops with the same line (`agree`).
 """
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import json

@@ -26,8 +26,6 @@ through a symbolic link (O_NOFOLLOW), only regular files are read (a FIFO would 
 names created exclusively (O_EXCL).
 """
 
-from __future__ import annotations
-
 import grp
 import json
 import os
