@@ -71,22 +71,21 @@ def init(device: str = "auto", needs_group: bool = False, timeout_s: int = 600) 
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA device is available")
     slurm.join_srun_step(needs_group)  # `srun -n N python train.py --ddp`: torchrun's variables from SLURM's
-    rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    info = DistInfo(int(os.environ.get("RANK", 0)), local_rank, int(os.environ.get("WORLD_SIZE", 1)),
+                    torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
     if use_cuda:
         torch.cuda.set_device(local_rank)  # before init: NCCL binds each rank to its own GPU
     if launched_by_torchrun() and not dist.is_initialized():
-        if rank == 0 and restart_may_fail():
+        if info.is_main and restart_may_fail():
             print("note: torchrun --max-restarts with its agent's shared store: a restart can fail to connect (stale "
                   "addresses); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node", file=sys.stderr)
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                                **({"device_id": dev} if use_cuda else {}))
+                                **({"device_id": info.device} if use_cuda else {}))
     elif needs_group and not dist.is_initialized():
         _set_one_rank_environment()
         dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return DistInfo(rank, local_rank, world_size, dev)
+    return info
 
 
 def restart_may_fail() -> bool:

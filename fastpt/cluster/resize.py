@@ -27,12 +27,11 @@ Lightning has no flag for this.
 """
 
 import dataclasses
-import random
 
-import numpy as np
 import torch
 
 from fastpt.errors import CheckpointError
+from fastpt.files import checkpoint
 
 
 def resizable(cfg) -> bool:
@@ -108,11 +107,4 @@ def remap_per_rank(per_rank: list[dict], world_size: int, seed: int, step: int) 
 
 def derived_rng_state(seed: int, rank: int, step: int) -> dict:
     """An RNG state (checkpoint.rng_state's layout) for a rank that did not exist: fixed by (seed, rank, step)."""
-    value = (seed * 1_000_003 + rank * 10_007 + step) % 2**32
-    np_state = np.random.RandomState(value).get_state()
-    return {
-        "python": random.Random(value).getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
-        "torch": torch.Generator().manual_seed(value).get_state(),
-        "cuda": [],  # left as seeded at start (seed + rank)
-    }
+    return checkpoint.rng_state(seed=(seed * 1_000_003 + rank * 10_007 + step) % 2**32)

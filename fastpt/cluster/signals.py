@@ -269,9 +269,8 @@ class GracefulStop:
     def ignore_signals(self) -> None:
         """The run is leaving (a requeued SLURM job's tasks get SIGTERM): its signals are ignored from now
         on, also after `uninstall`; the command line's own handlers put the original ones back at the end."""
-        for sig in self._previous:
-            signal.signal(sig, signal.SIG_IGN)
-        self._previous = {sig: signal.SIG_IGN for sig in self._previous}
+        self._previous = dict.fromkeys(self._previous, signal.SIG_IGN)
+        self.uninstall()
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

@@ -13,6 +13,7 @@
   A saved state dict loads into a plain Hugging Face model.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -89,16 +90,6 @@ def temporary_of(name: str) -> str | None:
     return match.group(1) if match else None
 
 
-def plain_file_mode(folder: Path) -> int:
-    """The permission bits a run file gets in folder: `_create_temporary`'s (and any default ACL's)."""
-    fd, tmp = _create_temporary(folder / "mode")
-    try:
-        return stat.S_IMODE(os.fstat(fd).st_mode)
-    finally:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-
-
 class _ByteCounter(io.IOBase):
     """A file that keeps nothing and counts what is written to it."""
     written = 0
@@ -119,14 +110,13 @@ def _size_of(write) -> int | None:
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
+    """Make the rename durable, where the file system lets a folder be opened and synced."""
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load(path: Path) -> dict:
@@ -197,24 +187,29 @@ def write_export(folder: Path, save) -> None:
             path.unlink()
     before = {p.name for p in folder.iterdir()}
     save(folder)
-    mode = plain_file_mode(folder)
     written = sorted(p.name for p in folder.iterdir()
                      if p.name not in before and p.is_file() and not p.is_symlink())
-    for name in written:
-        os.chmod(folder / name, mode)
     manifest = {"written_by": "fastpt --export-dir", "files": written}
     write_atomic(folder / EXPORT_MANIFEST, lambda f: f.write((json.dumps(manifest, indent=2) + "\n").encode()))
+    mode = stat.S_IMODE(os.stat(folder / EXPORT_MANIFEST).st_mode)  # a run file's (umask, trust, default ACL)
+    for name in written:
+        os.chmod(folder / name, mode)
 
 
-def rng_state() -> dict:
+def rng_state(seed: int | None = None) -> dict:
     """Every random generator training draws from (dropout masks, workers' seeds), as checkpoint-safe data:
-    last.pt keeps one per rank, so a resumed run draws exactly what the uninterrupted one would have."""
-    np_state = np.random.get_state()
+    last.pt keeps one per rank, so a resumed run draws exactly what the uninterrupted one would have.
+
+    With `seed`: the same layout for fresh generators seeded with it (a new rank's, cluster/resize.py),
+    CUDA's left as seeded at start (seed + rank)."""
+    python, numpy, generator = (random, np.random, torch.default_generator) if seed is None else (
+        random.Random(seed), np.random.RandomState(seed), torch.Generator().manual_seed(seed))
+    np_state = numpy.get_state()
     return {
-        "python": random.getstate(),
+        "python": python.getstate(),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "torch": generator.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if seed is None and torch.cuda.is_available() else [],
     }
 
 

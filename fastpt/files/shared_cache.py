@@ -197,10 +197,9 @@ def failure(e: Exception) -> tuple[str, str]:
 def agree(outcomes: list, builder: int) -> Path:
     """The cache this rank reads (its node builder's), after every builder's outcome is known:
     the first error anywhere, or nodes whose data differ, stop every rank with one line."""
-    errors = [(status, value) for status, value in filter(None, outcomes) if status != "ok"]
-    if errors:
-        status, message = errors[0]
-        raise (DiskFull if status == "full" else DataError)(message)
+    for status, message in filter(None, outcomes):  # the first error anywhere
+        if status != "ok":
+            raise (DiskFull if status == "full" else DataError)(message)
     keys = {Path(value).name for status, value in filter(None, outcomes)}  # the key: data + tokenizer
     if len(keys) > 1:
         raise DataError(f"the nodes found different data ({', '.join(sorted(keys))}); "

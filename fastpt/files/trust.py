@@ -107,9 +107,7 @@ def refusal(path: Path, what: str, advice: str) -> str | None:
 
     `advice` is what to do instead ("choose another --out"); the line adds the trust that a team
     sharing the folder on purpose can give."""
-    if trusted(path):
-        return None
-    found = problem(path)
+    found = None if trusted(path) else problem(path)
     if found is None:
         return None
     fix = f"make it yours alone (chmod go-w {path}), " if found.startswith("can be changed") else ""
@@ -138,13 +136,13 @@ class NotRegular(OSError):
     """A name that is not a regular file: a FIFO, a device, a folder."""
 
 
+# What a name is, by the letter `ls -l` (stat.filemode) shows for it.
+KINDS = {"p": "a FIFO (named pipe)", "c": "a character device", "b": "a block device", "s": "a socket",
+         "d": "a folder", "l": "a symbolic link"}
+
+
 def kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"),
-                       (stat.S_ISLNK, "a symbolic link")):
-        if test(mode):
-            return name
-    return "not a regular file"
+    return KINDS.get(stat.filemode(mode)[0], "not a regular file")
 
 
 def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
