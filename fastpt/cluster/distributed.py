@@ -119,10 +119,8 @@ def _set_one_rank_environment() -> None:
         port = s.getsockname()[1]
     wanted = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    for name, value in wanted.items():
-        if name not in os.environ:
-            os.environ[name] = value
-            _ONE_RANK_VARIABLES.append(name)
+    _ONE_RANK_VARIABLES.extend(name for name in wanted if name not in os.environ)
+    os.environ.update({name: wanted[name] for name in _ONE_RANK_VARIABLES})
 
 
 def shutdown() -> None:

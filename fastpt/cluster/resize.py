@@ -64,7 +64,7 @@ def adapt(cfg, state: dict, world_size: int) -> tuple:
         raise CheckpointError(f"cannot continue a --zero-stage {cfg.zero_stage} run on {world_size} process(es): "
                               f"it was written by {saved_world}; resume it with {saved_world}")
     global_batch = saved_batch * saved_world
-    batch = global_batch // world_size if global_batch % world_size == 0 else max(1, round(global_batch / world_size))
+    batch = max(1, round(global_batch / world_size))  # global_batch // world_size where it divides
     new_global = batch * world_size
     progress = state["progress"]
     position = progress.get("examples_in_epoch", progress["batch_in_epoch"] * global_batch)

@@ -38,6 +38,7 @@ No torch import here: the command line installs this before torch loads.
 import contextlib
 import datetime
 import errno
+import functools
 import os
 import signal
 import sys
@@ -89,14 +90,10 @@ class TerminalStream:
                 self.stream.flush()  # what the failed write left in the buffer goes to /dev/null
             return len(args[0]) if args else None
 
-    def write(self, text: str):
-        return self._safely(self.stream.write, text)
-
-    def flush(self):
-        return self._safely(self.stream.flush)
-
     def __getattr__(self, name):
-        return getattr(self.stream, name)
+        """The stream's own attributes, its write and flush made safe."""
+        found = getattr(self.stream, name)
+        return functools.partial(self._safely, found) if name in ("write", "flush") else found
 
 
 @contextlib.contextmanager

@@ -215,13 +215,9 @@ def rng_state(seed: int | None = None) -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Put back what `rng_state` saved."""
-    random.setstate(_as_tuple(state["python"]))
+    random.setstate(state["python"])
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy(), *rest))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
