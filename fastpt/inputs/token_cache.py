@@ -80,13 +80,9 @@ def cache_key(source: Path, tokenizer) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("FASTPT_CACHE_DIR") or Path.home() / ".cache" / "fastpt")
-
-
 def cache_root(cache_dir: Optional[str]) -> Path:
     """--cache-dir, else the default: where the token cache (and the Inductor cache) live."""
-    return Path(cache_dir) if cache_dir else default_cache_dir()
+    return Path(cache_dir or os.environ.get("FASTPT_CACHE_DIR") or Path.home() / ".cache" / "fastpt")
 
 
 def build_cache(source: Path, tokenizer, target: Path) -> None:
@@ -96,25 +92,27 @@ def build_cache(source: Path, tokenizer, target: Path) -> None:
     a half-written cache. If another process published the same cache first (same key, same
     content), its copy is kept and this one dropped.
     """
-    import datasets
-
     reviews = imdb.read_reviews(source)
     texts = [t.replace("<br />", " ") for t in reviews.texts]
+    columns = {name: {"key": [reviews.keys[i] for i in idx], "text": [texts[i] for i in idx],
+                      "label": reviews.labels[idx].tolist()} for name, idx in imdb.split_indices(len(texts)).items()}
+    save_tokenized(columns, lambda batch: tokenizer(batch["text"], truncation=True, max_length=CACHE_MAX_LENGTH),
+                   ["key", "input_ids", "label"], target)
+
+
+def save_tokenized(columns: dict, tokenize, keep: list, target: Path, files: dict | None = None) -> None:
+    """{split: {column: values}} tokenised in batches (`tokenize`: a batch -> the tokenizer's output), the
+    `keep` columns saved with `datasets` and any `files` ({name: text}) beside them, published at target."""
+    import datasets
+
     tmp = shared_cache.new_temporary(target)
     try:
-        splits = {}
-        for name, idx in imdb.split_indices(len(texts)).items():
-            table = datasets.Dataset.from_dict({
-                "key": [reviews.keys[i] for i in idx],
-                "text": [texts[i] for i in idx],
-                "label": reviews.labels[idx].tolist(),
-            })
-            splits[name] = table.map(
-                lambda batch: tokenizer(batch["text"], truncation=True, max_length=CACHE_MAX_LENGTH),
-                batched=True, batch_size=1000, remove_columns=["text"], desc=f"tokenising {name}",
-                load_from_cache_file=False, keep_in_memory=True,
-            ).select_columns(["key", "input_ids", "label"])
-        datasets.DatasetDict(splits).save_to_disk(str(tmp))
+        tokenized = {name: datasets.Dataset.from_dict(split).map(
+            tokenize, batched=True, batch_size=1000, desc=f"tokenising {name}", load_from_cache_file=False,
+            keep_in_memory=True).select_columns(keep) for name, split in columns.items()}
+        datasets.DatasetDict(tokenized).save_to_disk(str(tmp))
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         shared_cache.publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,22 +182,27 @@ def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer,
     has stopped. Separate runs building the same cache at once (also nodes sharing --cache-dir)
     take turns on a lock file: one tokenises, the others wait for it and then read its finished cache.
     """
-    outcome = None
-    if builds:
-        try:
-            source = imdb.find_source(data_dir)
-            root = cache_root(cache_dir)
-            path = root / f"imdb-{cache_key(source, tokenizer)}"
-            with shared_cache.reported(path):
-                if not shared_cache.is_complete(path):
-                    _build_once(source, tokenizer, path)
-            outcome = ("ok", str(path))
-        except (DataError, DiskFull) as e:
-            outcome = shared_cache.failure(e)
-    path = shared_cache.agree(gather(outcome), builder)
+    def locate():
+        source = imdb.find_source(data_dir)
+        path = cache_root(cache_dir) / f"imdb-{cache_key(source, tokenizer)}"
+        return path, lambda: build_cache(source, tokenizer, path)
+
+    path = built_once(locate, builds, gather, builder)
     with shared_cache.reported(path):
         return load_cache(path, max_length, ends_with_special_token(tokenizer)), path
 
 
-def _build_once(source: Path, tokenizer, path: Path) -> None:
-    shared_cache.build_once(path, lambda: build_cache(source, tokenizer, path))
+def built_once(locate, builds: bool, gather, builder: int) -> Path:
+    """The cache folder every rank reads: `locate()` gives (path, build), and a process that `builds`
+    builds it there unless it is complete; the outcomes are gathered and agreed on (see prepare_splits)."""
+    outcome = None
+    if builds:
+        try:
+            path, build = locate()
+            with shared_cache.reported(path):
+                if not shared_cache.is_complete(path):
+                    shared_cache.build_once(path, build)
+            outcome = ("ok", str(path))
+        except (DataError, DiskFull) as e:
+            outcome = shared_cache.failure(e)
+    return shared_cache.agree(gather(outcome), builder)
