@@ -17,9 +17,11 @@ The split is the article's, bit for bit (checked against the fingerprints in the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import shutil
 import tarfile
 import urllib.request
 import zlib
@@ -72,17 +74,13 @@ def download(target: Path) -> Path:
     try:
         with urllib.request.urlopen(URL, timeout=30) as response, open(partial, "wb") as f:
             total = int(response.headers.get("Content-Length", 0)) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {target.name}") as bar:
-                while chunk := response.read(1 << 20):
-                    f.write(chunk)
-                    bar.update(len(chunk))
+            with tqdm.wrapattr(f, "write", total=total, desc=f"downloading {target.name}") as counted:
+                shutil.copyfileobj(response, counted, 1 << 20)
     except OSError as e:
         partial.unlink(missing_ok=True)
         for folder in made:  # deepest first: a failed download leaves no empty ./data behind
-            try:
+            with contextlib.suppress(OSError):
                 folder.rmdir()
-            except OSError:
-                break
         raise DataError(f"could not download {URL} ({e.__class__.__name__}: {e}); if this machine is offline, pass "
                         f"--data-dir DIR (or set FASTPT_DATA_DIR) pointing at a local {TARBALLS[0]} or aclImdb/ "
                         f"folder") from None
@@ -135,7 +133,6 @@ def differs_from_article(split_keys: dict[str, list[str]]) -> Optional[str]:
 
 def split_indices(n: int) -> dict[str, np.ndarray]:
     """The article's shuffle and 70/10/20 cut of n rows (35k/5k/10k for the full 50k)."""
-    order = np.random.RandomState(1).permutation(n)
-    n_train = round(n * SPLIT_FRACTIONS[0])
-    n_val = round(n * SPLIT_FRACTIONS[1])
-    return {"train": order[:n_train], "validation": order[n_train:n_train + n_val], "test": order[n_train + n_val:]}
+    n_train, n_val = (round(n * fraction) for fraction in SPLIT_FRACTIONS)
+    cuts = np.split(np.random.RandomState(1).permutation(n), [n_train, n_train + n_val])
+    return dict(zip(("train", "validation", "test"), cuts))
