@@ -97,10 +97,9 @@ def gather_splits(cfg) -> tuple[dict, dict, list]:
     if fractions:
         train = splits["train"]
         for name, rows in stratified_split(train.columns[train.use["label"]], fractions, cfg.split_seed).items():
-            splits[name] = train.select(rows)
-            splits[name].where = f"{train.where} ({name} split)"
-        for name, fraction in fractions.items():
-            origin[name] = {"from": train.where, "fraction": fraction, "seed": cfg.split_seed, "stratified": True}
+            splits[name] = train.select(rows, f"{train.where} ({name} split)")
+        origin |= {name: {"from": train.where, "fraction": fraction, "seed": cfg.split_seed, "stratified": True}
+                   for name, fraction in fractions.items()}
         origin["train"] = {"from": train.where, "rest_after": list(fractions)}
     for name, flag in (("train", None), ("validation", "--val-fraction"), ("test", "--test-fraction")):
         if len(splits[name]) == 0:

@@ -56,10 +56,10 @@ class Table:
     def place(self, i: int) -> str:
         return f"line {self.lines[i]}" if self.lines else f"row {i + 1}"
 
-    def select(self, idx) -> "Table":
-        idx = list(idx)
+    def select(self, idx, where: str) -> "Table":
+        """The rows `idx` (a carved split, named `where`), each keeping its place in this table."""
         numbers = self.row_numbers()
-        return Table({k: [v[i] for i in idx] for k, v in self.columns.items()}, self.where,
+        return Table({k: [v[i] for i in idx] for k, v in self.columns.items()}, where,
                      [self.lines[i] for i in idx] if self.lines else None, self.label_names,
                      rows=[numbers[i] for i in idx], use=self.use)
 
@@ -160,28 +160,22 @@ def _read_csv(path: Path, kind: str) -> Table:
     return Table({key: [row[j] for row in rows] for j, key in enumerate(keys)}, str(path), lines, notes=notes)
 
 
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _object_without_repeats(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) < len(keys):
-        raise _RepeatedKey(next(k for k in keys if keys.count(k) > 1))
-    return dict(pairs)
-
-
 def _read_jsonl(path: Path) -> Table:
+    def without_repeats(pairs: list) -> dict:  # a dict would keep only the last of two equal keys
+        keys = [k for k, _ in pairs]
+        repeated = next((k for k in keys if keys.count(k) > 1), None)
+        if repeated is not None:
+            raise DataError(f"{path}: line {number}: the key {show_column(repeated)} appears more than once "
+                            f"in one object")
+        return dict(pairs)
+
     records, lines = [], []
     with open(path, encoding="utf-8-sig") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line, object_pairs_hook=_object_without_repeats)
-            except _RepeatedKey as e:
-                raise DataError(f"{path}: line {number}: the key {show_column(e.args[0])} appears more than once "
-                                f"in one object") from None
+                record = json.loads(line, object_pairs_hook=without_repeats)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {number}: not valid JSON ({e.msg}); expected one object a line") \
                     from None

@@ -36,9 +36,6 @@ CACHE_VERSION = 3  # 3: every cache folder carries its digest
 CACHE_MAX_LENGTH = 512  # the longest --max-length: one cache serves every shorter one
 
 
-FINGERPRINT_BYTES = 4 << 20
-
-
 SPLITS = ("train", "validation", "test")
 
 
@@ -53,7 +50,7 @@ def _source_fingerprint(source: Path) -> str:
     if source.is_file():
         h.update(f"file:{source.stat().st_size}:".encode())
         with open(source, "rb") as f:
-            h.update(f.read(FINGERPRINT_BYTES))
+            h.update(f.read(4 << 20))
     else:
         for folder in imdb.FOLDERS:
             d = source / folder
@@ -132,11 +129,9 @@ def load_cache(path: Path, max_length: int, keep_last: bool = True) -> dict[str,
     out = {}
     for name in SPLITS:
         column = loaded[name].data.column("input_ids").combine_chunks()
-        ids = column.values.to_numpy().astype(np.int32)
         offsets = column.offsets.to_numpy().astype(np.int64)
-        labels = np.asarray(loaded[name]["label"], dtype=np.int64)
-        ids, offsets = truncate(ids, offsets - offsets[0], max_length, keep_last)
-        out[name] = TokenizedSplit(ids, offsets, labels)
+        ids, offsets = truncate(column.values.to_numpy().astype(np.int32), offsets - offsets[0], max_length, keep_last)
+        out[name] = TokenizedSplit(ids, offsets, np.asarray(loaded[name]["label"], dtype=np.int64))
     return out
 
 
