@@ -132,13 +132,12 @@ def _read_csv(path: Path, kind: str) -> Table:
             if not header:
                 raise DataError(f"{path} is empty: expected a header line naming the columns")
             keys = column_keys(header, str(path))
-            rows, lines, spans, blank = [], [], [], 0
+            rows, lines, spans = [], [], []  # spans: (first, last line) of each row on several lines
             start = reader.line_num + 1
             for row in reader:
                 end, first = reader.line_num, start
                 start = end + 1
-                if not row:
-                    blank += 1
+                if not row:  # a blank line
                     continue
                 if end > first:
                     spans.append((first, end))
@@ -151,12 +150,10 @@ def _read_csv(path: Path, kind: str) -> Table:
                 lines.append(first)
         except csv.Error as e:
             raise DataError(f"{path}: line {start}: malformed {kind.upper()}: {e}") from None
-    notes = []
-    if spans:  # legitimate for a quoted text with line breaks; a quote left open merges rows silently
-        physical = reader.line_num - 1 - blank
-        notes.append(f"{path}: {len(rows)} rows read from {physical} lines: {len(spans)} row"
-                     f"{'s span' if len(spans) > 1 else ' spans'} several lines inside quotes, the first lines "
-                     f"{spans[0][0]}-{spans[0][1]}")
+    # Legitimate for a quoted text with line breaks; a quote left open merges rows silently.
+    notes = [f"{path}: {len(rows)} rows read from {len(rows) + sum(end - first for first, end in spans)} lines: "
+             f"{len(spans)} row{'s span' if len(spans) > 1 else ' spans'} several lines inside quotes, the first "
+             f"lines {spans[0][0]}-{spans[0][1]}"] if spans else []
     return Table({key: [row[j] for row in rows] for j, key in enumerate(keys)}, str(path), lines, notes=notes)
 
 
