@@ -55,7 +55,7 @@ class Reviews:
 def find_source(data_dir: Optional[str]) -> Path:
     """Where the reviews are: an aclImdb/ folder or a tarball. Downloads only without --data-dir."""
     explicit = data_dir or os.environ.get("FASTPT_DATA_DIR")
-    root = Path(explicit) if explicit else Path("data")
+    root = Path(explicit or "data")
     for path in (root / "aclImdb", root, *(root / name for name in TARBALLS)):
         if path.is_file() or (path / "train" / "pos").is_dir():
             return path
