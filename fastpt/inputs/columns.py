@@ -16,8 +16,6 @@ names them (`named_labels`: one name per label, in id order). The names are writ
 config.json and best.pt (`label_names`), results.json and, with --export-dir, the model's id2label.
 """
 
-from __future__ import annotations
-
 import math
 import re
 

@@ -19,8 +19,6 @@ Lightning has no flag for this; it is the "put the whole dataset on the GPU" tri
 sets that fit.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 

@@ -15,8 +15,6 @@ The split is the article's, bit for bit (checked against the fingerprints in the
 4. the first 70% are train, the next 10% validation, the last 20% test (35,000 / 5,000 / 10,000).
 """
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import os
@@ -27,7 +25,6 @@ import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -52,7 +49,7 @@ class Reviews:
     labels: np.ndarray  # int64, 1 = positive
 
 
-def find_source(data_dir: Optional[str]) -> Path:
+def find_source(data_dir: str | None) -> Path:
     """Where the reviews are: an aclImdb/ folder or a tarball. Downloads only without --data-dir."""
     explicit = data_dir or os.environ.get("FASTPT_DATA_DIR")
     root = Path(explicit or "data")
@@ -114,7 +111,7 @@ def read_reviews(source: Path) -> Reviews:
     return Reviews(keys=keys, texts=[found[k] for k in keys], labels=labels)
 
 
-def differs_from_article(split_keys: dict[str, list[str]]) -> Optional[str]:
+def differs_from_article(split_keys: dict[str, list[str]]) -> str | None:
     """None if these splits (review names, in order) are the article's, else what the data is instead.
 
     Any set of reviews in the aclImdb layout is read and split 70/10/20, so a partly extracted or

@@ -8,8 +8,6 @@ naming files outside the folder, a pickle holding objects other than tensors (ne
 weights_only=True), weights whose shapes or number of layers the config does not make.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import pickle

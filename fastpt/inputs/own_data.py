@@ -26,8 +26,6 @@ unchanged. For sentence pairs on models whose tokenizer makes token_type_ids (BE
 padded batches carry them, rebuilt from the [SEP] tokens (data.Collator).
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import math

@@ -15,14 +15,11 @@ repeated one is refused. Names in messages are quoted and escaped, so spaces and
 characters show.
 """
 
-from __future__ import annotations
-
 import csv
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from fastpt.errors import DataError
 from fastpt.files import trust
@@ -40,10 +37,10 @@ class Table:
     """One split's columns as Python lists, and how to name a row in an error message."""
     columns: dict
     where: str  # the file (or "dataset split") it came from
-    lines: Optional[list] = None  # each row's line in the file (CSV, JSON Lines), for messages
-    label_names: Optional[list] = None  # a ClassLabel column's names
+    lines: list | None = None  # each row's line in the file (CSV, JSON Lines), for messages
+    label_names: list | None = None  # a ClassLabel column's names
     notes: list = field(default_factory=list)  # what reading changed or noticed, one line each
-    rows: Optional[list] = None  # a carved split's rows in the table it came from (None: 0, 1, 2, ...)
+    rows: list | None = None  # a carved split's rows in the table it came from (None: 0, 1, 2, ...)
     use: dict = field(default_factory=dict)  # role ("text", "pair", "label") -> this file's column (resolve_columns)
 
     def __len__(self) -> int:

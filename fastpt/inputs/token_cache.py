@@ -13,14 +13,11 @@ its build records a digest of every file, every load checks it, and a folder clo
 or a full disk is one line (files/shared_cache.py: the lock, the atomic publish, the checks).
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -77,7 +74,7 @@ def cache_key(source: Path, tokenizer) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def cache_root(cache_dir: Optional[str]) -> Path:
+def cache_root(cache_dir: str | None) -> Path:
     """--cache-dir, else the default: where the token cache (and the Inductor cache) live."""
     return Path(cache_dir or os.environ.get("FASTPT_CACHE_DIR") or Path.home() / ".cache" / "fastpt")
 
@@ -164,7 +161,7 @@ def split_keys(path: Path) -> dict[str, list[str]]:
     return {name: loaded[name]["key"] for name in SPLITS}
 
 
-def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer, max_length: int,
+def prepare_splits(data_dir: str | None, cache_dir: str | None, tokenizer, max_length: int,
                    builds: bool = True, gather=lambda obj: [obj],
                    builder: int = 0) -> tuple[dict[str, TokenizedSplit], Path]:
     """Tokenised train/validation/test splits, cut to max_length.
