@@ -209,11 +209,11 @@ def named_labels(from_data: list, given: list | None) -> list:
     if given is None:
         return from_data
     if not all(re.fullmatch(r"[-+]?\d+", name) for name in from_data):
-        raise ValueError(f"--label-names names integer labels; the labels in --data are names already "
-                         f"({', '.join(from_data[:5])}{', ...' if len(from_data) > 5 else ''}): drop --label-names")
+        raise DataError(f"--label-names names integer labels; the labels in --data are names already "
+                        f"({', '.join(from_data[:5])}{', ...' if len(from_data) > 5 else ''}): drop --label-names")
     if len(given) != len(from_data):
-        raise ValueError(f"--label-names gives {len(given)} name(s), the data has {len(from_data)} labels "
-                         f"({', '.join(from_data[:10])}{', ...' if len(from_data) > 10 else ''}): give one each")
+        raise DataError(f"--label-names gives {len(given)} name(s), the data has {len(from_data)} labels "
+                        f"({', '.join(from_data[:10])}{', ...' if len(from_data) > 10 else ''}): give one each")
     return list(given)
 
 
@@ -236,10 +236,7 @@ def check_classes(n: int, train: Table) -> None:
 def check_label_flags(cfg, names: list) -> None:
     """--label-names and a --class-weights list against the labels the data has, as DataError: checked
     when the labels are known and before tokenising, so that a wrong count leaves no token cache behind."""
-    try:
-        named_labels(names, cfg.label_names)
-    except ValueError as e:
-        raise DataError(str(e)) from None
+    named_labels(names, cfg.label_names)
     weights = cfg.class_weights
     if isinstance(weights, list) and len(weights) != len(names):
         raise DataError(f"--class-weights gives {len(weights)} weight(s), the data has {len(names)} classes "
