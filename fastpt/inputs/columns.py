@@ -130,18 +130,14 @@ def read_labels(table: Table, column: str) -> None:
     """The label column by `read_label`, in place; DataError naming the rows; a note when spaces were stripped."""
     if table.label_names is not None:
         return check_class_ids(table, column)
-    labels, missing, stripped = [], [], []
-    for i, raw in enumerate(table.columns[column]):
+    raws, labels = table.columns[column], []
+    for i, raw in enumerate(raws):
         try:
-            label = read_label(raw)
+            labels.append(read_label(raw))
         except ValueError:
             raise DataError(f"{table.where}: {table.place(i)}: label {raw!r} in column {show_column(column)}; "
                             f"labels are classes: whole numbers or strings") from None
-        if label is None:
-            missing.append(i)
-        elif isinstance(label, str) and label != raw:
-            stripped.append(i)
-        labels.append(label)
+    missing = [i for i, label in enumerate(labels) if label is None]
     if missing:
         raise DataError(f"{table.where}: {len(missing)} row{'' if len(missing) == 1 else 's'} without a label in "
                         f"column {show_column(column)} ({_places(table, missing)}): empty, null or NaN; "
@@ -150,10 +146,11 @@ def read_labels(table: Table, column: str) -> None:
     if mixed is not None:
         raise DataError(f"{table.where}: {table.place(mixed)}: label {labels[mixed]!r} mixes with "
                         f"{labels[0]!r} ({table.place(0)}); labels must be all whole numbers or all strings")
+    stripped = [i for i, (label, raw) in enumerate(zip(labels, raws)) if isinstance(label, str) and label != raw]
     if stripped:
         i = stripped[0]
         table.notes.append(f"{table.where}: {len(stripped)} label{'' if len(stripped) == 1 else 's'} in column "
-                           f"{show_column(column)} had spaces around them, stripped ({table.columns[column][i]!r} "
+                           f"{show_column(column)} had spaces around them, stripped ({raws[i]!r} "
                            f"is {labels[i]!r}, {table.place(i)})")
     table.columns[column] = labels
 
@@ -175,18 +172,16 @@ def check_class_ids(table: Table, column: str) -> None:
 def label_ids(splits: dict) -> tuple[dict, list]:
     """({split: int64 ids}, names): ids in the sorted order of the training labels (see the module doc)."""
     train = splits["train"]
+    values = {name: t.columns[t.use["label"]] for name, t in splits.items()}  # ints or strings, or ClassLabel ids
     if train.label_names is not None:  # a ClassLabel: its own ids and names
         names = [str(n) for n in train.label_names]
-        ids = {name: np.asarray(t.columns[t.use["label"]], dtype=np.int64) for name, t in splits.items()}
-        seen = set(ids["train"].tolist())
-        check_classes(len(seen), train)
+        check_classes(len(set(values["train"])), train)
         for name, t in splits.items():
-            unseen = sorted(set(ids[name].tolist()) - seen)
+            unseen = sorted(set(values[name]) - set(values["train"]))
             if unseen:
                 raise DataError(f"{t.where} has label{'s' if len(unseen) > 1 else ''} "
                                 f"{', '.join(names[i] for i in unseen[:5])} that the training set lacks")
-        return ids, names
-    values = {name: t.columns[t.use["label"]] for name, t in splits.items()}  # read_labels' ints or strings
+        return {name: np.asarray(ids, dtype=np.int64) for name, ids in values.items()}, names
     classes = sorted(set(values["train"]))
     check_classes(len(classes), train)
     index = {c: i for i, c in enumerate(classes)}
