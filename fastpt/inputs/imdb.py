@@ -103,10 +103,10 @@ def read_reviews(source: Path) -> Reviews:
         raise DataError(f"cannot read {source}: {e.__class__.__name__}: {e} (corrupt or incomplete archive?)") from None
     keys = []
     for folder in FOLDERS:
-        names = sorted(k.rsplit("/", 1)[1] for k in found if k.startswith(folder + "/"))
-        if not names:
+        in_folder = sorted(k for k in found if k.startswith(folder + "/"))  # one prefix: sorted by file name
+        if not in_folder:
             raise DataError(f"{source} has no aclImdb/{folder}/*.txt reviews: not an IMDB v1 dataset")
-        keys += [f"{folder}/{name}" for name in names]
+        keys += in_folder
     labels = np.array([1 if k.split("/")[1] == "pos" else 0 for k in keys], dtype=np.int64)
     return Reviews(keys=keys, texts=[found[k] for k in keys], labels=labels)
 
