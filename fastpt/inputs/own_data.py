@@ -62,13 +62,10 @@ def stratified_split(labels: list, fractions: dict, seed: int) -> dict:
     for i, label in enumerate(labels):
         by_label.setdefault(label, []).append(i)
     for label in sorted(by_label, key=str):
-        rows = np.asarray(by_label[label])[rng.permutation(len(by_label[label]))]
-        start = 0
-        for name, fraction in fractions.items():
-            take = int(math.floor(len(rows) * fraction + 0.5))
-            out[name] += rows[start:start + take].tolist()
-            start += take
-        out["train"] += rows[start:].tolist()
+        rows = rng.permutation(by_label[label])
+        takes = [int(math.floor(len(rows) * fraction + 0.5)) for fraction in fractions.values()]
+        for name, part in zip([*fractions, "train"], np.split(rows, np.cumsum(takes))):  # the rest is train
+            out[name] += part.tolist()
     return {name: np.asarray(idx, dtype=np.int64)[rng.permutation(len(idx))] for name, idx in out.items()}
 
 
