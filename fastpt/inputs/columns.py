@@ -16,8 +16,6 @@ names them (`named_labels`: one name per label, in id order). The names are writ
 config.json and best.pt (`label_names`), results.json and, with --export-dir, the model's id2label.
 """
 
-from __future__ import annotations
-
 import math
 import re
 
@@ -132,18 +130,14 @@ def read_labels(table: Table, column: str) -> None:
     """The label column by `read_label`, in place; DataError naming the rows; a note when spaces were stripped."""
     if table.label_names is not None:
         return check_class_ids(table, column)
-    labels, missing, stripped = [], [], []
-    for i, raw in enumerate(table.columns[column]):
+    raws, labels = table.columns[column], []
+    for i, raw in enumerate(raws):
         try:
-            label = read_label(raw)
+            labels.append(read_label(raw))
         except ValueError:
             raise DataError(f"{table.where}: {table.place(i)}: label {raw!r} in column {show_column(column)}; "
                             f"labels are classes: whole numbers or strings") from None
-        if label is None:
-            missing.append(i)
-        elif isinstance(label, str) and label != raw:
-            stripped.append(i)
-        labels.append(label)
+    missing = [i for i, label in enumerate(labels) if label is None]
     if missing:
         raise DataError(f"{table.where}: {len(missing)} row{'' if len(missing) == 1 else 's'} without a label in "
                         f"column {show_column(column)} ({_places(table, missing)}): empty, null or NaN; "
@@ -152,10 +146,11 @@ def read_labels(table: Table, column: str) -> None:
     if mixed is not None:
         raise DataError(f"{table.where}: {table.place(mixed)}: label {labels[mixed]!r} mixes with "
                         f"{labels[0]!r} ({table.place(0)}); labels must be all whole numbers or all strings")
+    stripped = [i for i, (label, raw) in enumerate(zip(labels, raws)) if isinstance(label, str) and label != raw]
     if stripped:
         i = stripped[0]
         table.notes.append(f"{table.where}: {len(stripped)} label{'' if len(stripped) == 1 else 's'} in column "
-                           f"{show_column(column)} had spaces around them, stripped ({table.columns[column][i]!r} "
+                           f"{show_column(column)} had spaces around them, stripped ({raws[i]!r} "
                            f"is {labels[i]!r}, {table.place(i)})")
     table.columns[column] = labels
 
@@ -177,18 +172,16 @@ def check_class_ids(table: Table, column: str) -> None:
 def label_ids(splits: dict) -> tuple[dict, list]:
     """({split: int64 ids}, names): ids in the sorted order of the training labels (see the module doc)."""
     train = splits["train"]
+    values = {name: t.columns[t.use["label"]] for name, t in splits.items()}  # ints or strings, or ClassLabel ids
     if train.label_names is not None:  # a ClassLabel: its own ids and names
         names = [str(n) for n in train.label_names]
-        ids = {name: np.asarray(t.columns[t.use["label"]], dtype=np.int64) for name, t in splits.items()}
-        seen = set(ids["train"].tolist())
-        check_classes(len(seen), train)
+        check_classes(len(set(values["train"])), train)
         for name, t in splits.items():
-            unseen = sorted(set(ids[name].tolist()) - seen)
+            unseen = sorted(set(values[name]) - set(values["train"]))
             if unseen:
                 raise DataError(f"{t.where} has label{'s' if len(unseen) > 1 else ''} "
                                 f"{', '.join(names[i] for i in unseen[:5])} that the training set lacks")
-        return ids, names
-    values = {name: t.columns[t.use["label"]] for name, t in splits.items()}  # read_labels' ints or strings
+        return {name: np.asarray(ids, dtype=np.int64) for name, ids in values.items()}, names
     classes = sorted(set(values["train"]))
     check_classes(len(classes), train)
     index = {c: i for i, c in enumerate(classes)}
@@ -211,11 +204,11 @@ def named_labels(from_data: list, given: list | None) -> list:
     if given is None:
         return from_data
     if not all(re.fullmatch(r"[-+]?\d+", name) for name in from_data):
-        raise ValueError(f"--label-names names integer labels; the labels in --data are names already "
-                         f"({', '.join(from_data[:5])}{', ...' if len(from_data) > 5 else ''}): drop --label-names")
+        raise DataError(f"--label-names names integer labels; the labels in --data are names already "
+                        f"({', '.join(from_data[:5])}{', ...' if len(from_data) > 5 else ''}): drop --label-names")
     if len(given) != len(from_data):
-        raise ValueError(f"--label-names gives {len(given)} name(s), the data has {len(from_data)} labels "
-                         f"({', '.join(from_data[:10])}{', ...' if len(from_data) > 10 else ''}): give one each")
+        raise DataError(f"--label-names gives {len(given)} name(s), the data has {len(from_data)} labels "
+                        f"({', '.join(from_data[:10])}{', ...' if len(from_data) > 10 else ''}): give one each")
     return list(given)
 
 
@@ -238,10 +231,7 @@ def check_classes(n: int, train: Table) -> None:
 def check_label_flags(cfg, names: list) -> None:
     """--label-names and a --class-weights list against the labels the data has, as DataError: checked
     when the labels are known and before tokenising, so that a wrong count leaves no token cache behind."""
-    try:
-        named_labels(names, cfg.label_names)
-    except ValueError as e:
-        raise DataError(str(e)) from None
+    named_labels(names, cfg.label_names)
     weights = cfg.class_weights
     if isinstance(weights, list) and len(weights) != len(names):
         raise DataError(f"--class-weights gives {len(weights)} weight(s), the data has {len(names)} classes "

@@ -16,11 +16,8 @@ every example to exactly one rank and pads ranks to equal batch counts with exam
 weight 0, so sums over ranks count each example exactly once.
 """
 
-from __future__ import annotations
-
 import math
 import os
-from typing import Optional
 
 import numpy as np
 import torch
@@ -53,7 +50,7 @@ class TokenizedSplit(Dataset):
         labels = np.zeros(len(input_ids), np.int64) if labels is None else np.asarray(labels, dtype=np.int64)
         return cls(flat, np.concatenate([[0], np.cumsum(lengths)]), labels)
 
-    def head(self, n: Optional[int]) -> "TokenizedSplit":
+    def head(self, n: int | None) -> "TokenizedSplit":
         """The first n examples (all when n is None)."""
         if n is None or n >= len(self):
             return self
@@ -68,7 +65,7 @@ class Collator:
     without reading a tensor.
     """
 
-    def __init__(self, pad_id: int, pad_to: str, max_length: int, sep_id: Optional[int] = None):
+    def __init__(self, pad_id: int, pad_to: str, max_length: int, sep_id: int | None = None):
         self.pad_id, self.pad_to, self.max_length = pad_id, pad_to, max_length
         self.sep_id = sep_id  # sentence pairs on BERT-style models: token_type_ids from the [SEP] tokens
 
@@ -97,7 +94,7 @@ def pair_token_types(input_ids: torch.Tensor, attention_mask: torch.Tensor, sep_
     return (((sep.cumsum(-1) - sep) > 0).long() * attention_mask).long()
 
 
-def make_collator(cfg, pad_id: int, sep_id: Optional[int] = None):
+def make_collator(cfg, pad_id: int, sep_id: int | None = None):
     """Padded batches (Collator), or padding-free packed ones with --pack (packing.PackedCollator)."""
     if cfg.pack:
         from fastpt.speedups.packing import PackedCollator

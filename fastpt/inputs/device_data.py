@@ -19,8 +19,6 @@ Lightning has no flag for this; it is the "put the whole dataset on the GPU" tri
 sets that fit.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 
@@ -36,7 +34,6 @@ class DeviceLoader:
         self.ids = torch.from_numpy(split.ids.astype(np.int32)).to(device)
         self.offsets = torch.from_numpy(split.offsets.astype(np.int64)).to(device)
         self.labels = torch.from_numpy(split.labels.astype(np.int64)).to(device)
-        self.pad_id = collate.pad_id
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -56,7 +53,7 @@ class DeviceLoader:
         positions = torch.arange(width, device=self.device)
         mask = positions[None, :] < (self.offsets[idx + 1] - starts)[:, None]
         gather = (starts[:, None] + positions[None, :]).clamp_(max=self.ids.numel() - 1)
-        input_ids = torch.where(mask, self.ids[gather], self.pad_id).long()
+        input_ids = torch.where(mask, self.ids[gather], self.collate.pad_id).long()
         batch = {"input_ids": input_ids, "attention_mask": mask.long(), "labels": self.labels[idx],
                  "weight": weight, "lengths": lengths, "num_tokens": len(lengths) * width}
         if self.collate.sep_id is not None:  # sentence pairs on BERT: segment ids, built here on the device
@@ -75,7 +72,7 @@ class DeviceLoader:
         position = torch.arange(real, device=self.device) - cu_seqlens[review]
         input_ids = self.ids[starts[review] + position].long()
         fill = total - real  # round-up tokens after the last review (--pack-multiple)
-        input_ids = torch.cat([input_ids, input_ids.new_full((fill,), self.pad_id)])
+        input_ids = torch.cat([input_ids, input_ids.new_full((fill,), self.collate.pad_id)])
         position = torch.cat([position, position.new_zeros(fill)])
         return {"input_ids": input_ids[None], "position_ids": position[None],
                 "cu_seqlens": cu_seqlens.to(torch.int32), "labels": self.labels[idx], "weight": weight,

@@ -15,17 +15,16 @@ The split is the article's, bit for bit (checked against the fingerprints in the
 4. the first 70% are train, the next 10% validation, the last 20% test (35,000 / 5,000 / 10,000).
 """
 
-from __future__ import annotations
-
+import contextlib
 import hashlib
 import os
 import re
+import shutil
 import tarfile
 import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -50,10 +49,10 @@ class Reviews:
     labels: np.ndarray  # int64, 1 = positive
 
 
-def find_source(data_dir: Optional[str]) -> Path:
+def find_source(data_dir: str | None) -> Path:
     """Where the reviews are: an aclImdb/ folder or a tarball. Downloads only without --data-dir."""
     explicit = data_dir or os.environ.get("FASTPT_DATA_DIR")
-    root = Path(explicit) if explicit else Path("data")
+    root = Path(explicit or "data")
     for path in (root / "aclImdb", root, *(root / name for name in TARBALLS)):
         if path.is_file() or (path / "train" / "pos").is_dir():
             return path
@@ -72,17 +71,13 @@ def download(target: Path) -> Path:
     try:
         with urllib.request.urlopen(URL, timeout=30) as response, open(partial, "wb") as f:
             total = int(response.headers.get("Content-Length", 0)) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {target.name}") as bar:
-                while chunk := response.read(1 << 20):
-                    f.write(chunk)
-                    bar.update(len(chunk))
+            with tqdm.wrapattr(f, "write", total=total, desc=f"downloading {target.name}") as counted:
+                shutil.copyfileobj(response, counted, 1 << 20)
     except OSError as e:
         partial.unlink(missing_ok=True)
         for folder in made:  # deepest first: a failed download leaves no empty ./data behind
-            try:
+            with contextlib.suppress(OSError):
                 folder.rmdir()
-            except OSError:
-                break
         raise DataError(f"could not download {URL} ({e.__class__.__name__}: {e}); if this machine is offline, pass "
                         f"--data-dir DIR (or set FASTPT_DATA_DIR) pointing at a local {TARBALLS[0]} or aclImdb/ "
                         f"folder") from None
@@ -108,15 +103,15 @@ def read_reviews(source: Path) -> Reviews:
         raise DataError(f"cannot read {source}: {e.__class__.__name__}: {e} (corrupt or incomplete archive?)") from None
     keys = []
     for folder in FOLDERS:
-        names = sorted(k.rsplit("/", 1)[1] for k in found if k.startswith(folder + "/"))
-        if not names:
+        in_folder = sorted(k for k in found if k.startswith(folder + "/"))  # one prefix: sorted by file name
+        if not in_folder:
             raise DataError(f"{source} has no aclImdb/{folder}/*.txt reviews: not an IMDB v1 dataset")
-        keys += [f"{folder}/{name}" for name in names]
+        keys += in_folder
     labels = np.array([1 if k.split("/")[1] == "pos" else 0 for k in keys], dtype=np.int64)
     return Reviews(keys=keys, texts=[found[k] for k in keys], labels=labels)
 
 
-def differs_from_article(split_keys: dict[str, list[str]]) -> Optional[str]:
+def differs_from_article(split_keys: dict[str, list[str]]) -> str | None:
     """None if these splits (review names, in order) are the article's, else what the data is instead.
 
     Any set of reviews in the aclImdb layout is read and split 70/10/20, so a partly extracted or
@@ -135,7 +130,6 @@ def differs_from_article(split_keys: dict[str, list[str]]) -> Optional[str]:
 
 def split_indices(n: int) -> dict[str, np.ndarray]:
     """The article's shuffle and 70/10/20 cut of n rows (35k/5k/10k for the full 50k)."""
-    order = np.random.RandomState(1).permutation(n)
-    n_train = round(n * SPLIT_FRACTIONS[0])
-    n_val = round(n * SPLIT_FRACTIONS[1])
-    return {"train": order[:n_train], "validation": order[n_train:n_train + n_val], "test": order[n_train + n_val:]}
+    n_train, n_val = (round(n * fraction) for fraction in SPLIT_FRACTIONS)
+    cuts = np.split(np.random.RandomState(1).permutation(n), [n_train, n_train + n_val])
+    return dict(zip(("train", "validation", "test"), cuts))

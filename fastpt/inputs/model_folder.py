@@ -8,8 +8,6 @@ naming files outside the folder, a pickle holding objects other than tensors (ne
 weights_only=True), weights whose shapes or number of layers the config does not make.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import pickle
@@ -143,25 +141,14 @@ def check_weight_files(folder: Path) -> dict:
     Cheap: a safetensors file's header is read and checked against the file's size; a
     pytorch_model.bin is unpickled with weights_only=True (tensors memory-mapped, not read), so a
     crafted pickle is refused here, before the data work, and never runs."""
-    shapes = {}
-    for path in weight_files(folder):
-        shapes.update(_safetensors_shapes(folder, path) if path.suffix == ".safetensors"
-                      else _pickled_shapes(folder, path))
-    return shapes
+    return {key: shape for path in weight_files(folder) for key, shape in _weight_shapes(folder, path).items()}
 
 
-def _safetensors_shapes(folder: Path, path: Path) -> dict:
+def _weight_shapes(folder: Path, path: Path) -> dict:
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return {key: f.get_slice(key).get_shape() for key in f.keys()}
-    except (SafetensorError, OSError) as e:
-        cause = str(e).removeprefix("Error while deserializing header: ")
-        raise ModelError(f"model folder {folder}: {path.name} is damaged ({one_line(cause, limit=120)}); "
-                         f"download or save it again") from None
-
-
-def _pickled_shapes(folder: Path, path: Path) -> dict:
-    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                return {key: f.get_slice(key).get_shape() for key in f.keys()}
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
@@ -171,8 +158,9 @@ def _pickled_shapes(folder: Path, path: Path) -> dict:
     except pickle.UnpicklingError:
         raise ModelError(f"model folder {folder}: {path.name} holds objects other than tensors, which fastpt "
                          f"does not unpickle (weights_only=True); convert a trusted copy to safetensors") from None
-    except (RuntimeError, OSError, EOFError) as e:
-        raise ModelError(f"model folder {folder}: {path.name} is damaged ({one_line(e, limit=120)}); "
+    except (SafetensorError, RuntimeError, OSError, EOFError) as e:
+        cause = str(e).removeprefix("Error while deserializing header: ") or e.__class__.__name__
+        raise ModelError(f"model folder {folder}: {path.name} is damaged ({one_line(cause, limit=120)}); "
                          f"download or save it again") from None
     if not isinstance(state, dict):
         raise ModelError(f"model folder {folder}: {path.name} holds no weights by name (a {type(state).__name__})")

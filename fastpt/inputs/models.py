@@ -22,8 +22,6 @@ fails, the Hub is switched to offline mode for the process, so a missing model f
 with one line instead of a minute of retries.
 """
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import os

@@ -26,13 +26,10 @@ unchanged. For sentence pairs on models whose tokenizer makes token_type_ids (BE
 padded batches carry them, rebuilt from the [SEP] tokens (data.Collator).
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import math
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -42,7 +39,7 @@ from fastpt.inputs import token_cache
 from fastpt.inputs.columns import check_label_flags, check_texts, label_ids, read_labels, resolve_columns
 from fastpt.inputs.tables import file_kind, read_file, read_source
 from fastpt.files import shared_cache, trust
-from fastpt.errors import DataError, DiskFull
+from fastpt.errors import DataError
 
 
 # 2: the file types in the key, the digest, the paths the cache was built from;
@@ -65,13 +62,10 @@ def stratified_split(labels: list, fractions: dict, seed: int) -> dict:
     for i, label in enumerate(labels):
         by_label.setdefault(label, []).append(i)
     for label in sorted(by_label, key=str):
-        rows = np.asarray(by_label[label])[rng.permutation(len(by_label[label]))]
-        start = 0
-        for name, fraction in fractions.items():
-            take = int(math.floor(len(rows) * fraction + 0.5))
-            out[name] += rows[start:start + take].tolist()
-            start += take
-        out["train"] += rows[start:].tolist()
+        rows = rng.permutation(by_label[label])
+        takes = [int(math.floor(len(rows) * fraction + 0.5)) for fraction in fractions.values()]
+        for name, part in zip([*fractions, "train"], np.split(rows, np.cumsum(takes))):  # the rest is train
+            out[name] += part.tolist()
     return {name: np.asarray(idx, dtype=np.int64)[rng.permutation(len(idx))] for name, idx in out.items()}
 
 
@@ -98,10 +92,9 @@ def gather_splits(cfg) -> tuple[dict, dict, list]:
     if fractions:
         train = splits["train"]
         for name, rows in stratified_split(train.columns[train.use["label"]], fractions, cfg.split_seed).items():
-            splits[name] = train.select(rows)
-            splits[name].where = f"{train.where} ({name} split)"
-        for name, fraction in fractions.items():
-            origin[name] = {"from": train.where, "fraction": fraction, "seed": cfg.split_seed, "stratified": True}
+            splits[name] = train.select(rows, f"{train.where} ({name} split)")
+        origin |= {name: {"from": train.where, "fraction": fraction, "seed": cfg.split_seed, "stratified": True}
+                   for name, fraction in fractions.items()}
         origin["train"] = {"from": train.where, "rest_after": list(fractions)}
     for name, flag in (("train", None), ("validation", "--val-fraction"), ("test", "--test-fraction")):
         if len(splits[name]) == 0:
@@ -167,31 +160,19 @@ def build_cache(cfg, tokenizer, target: Path) -> None:
     splits, origin, notes = gather_splits(cfg)
     ids, names = label_ids(splits)
     check_label_flags(cfg, names)  # --label-names, --class-weights: their counts, before the long part
-    length = built_length(cfg)
     if not cfg.progress:  # --no-progress: no tokenising or saving bars either
         datasets.disable_progress_bars()
-    tmp = shared_cache.new_temporary(target)
-    try:
-        tokenized = {}
-        for name in ("train", "validation", "test"):
-            table = splits[name]
-            columns = {"text": table.columns[table.use["text"]], "label": ids[name].tolist()}
-            if cfg.text_pair_column:
-                columns["pair"] = table.columns[table.use["pair"]]
-
-            def tokenize(batch):
-                return tokenizer(batch["text"], batch.get("pair"), truncation=True, max_length=length)
-
-            tokenized[name] = datasets.Dataset.from_dict(columns).map(
-                tokenize, batched=True, batch_size=1000, desc=f"tokenising {name}",
-                load_from_cache_file=False, keep_in_memory=True).select_columns(["input_ids", "label"])
-        datasets.DatasetDict(tokenized).save_to_disk(str(tmp))
-        meta = {"label_names": names, "splits": origin, "notes": notes,
-                "built_from": [cfg.data, cfg.val_data, cfg.test_data]}
-        (tmp / META).write_text(json.dumps(meta, indent=2))
-        shared_cache.publish(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    roles = ("text", "pair") if cfg.text_pair_column else ("text",)
+    columns = {}
+    for name in token_cache.SPLITS:
+        table = splits[name]
+        columns[name] = {"label": ids[name].tolist(), **{role: table.columns[table.use[role]] for role in roles}}
+    length = built_length(cfg)
+    meta = {"label_names": names, "splits": origin, "notes": notes,
+            "built_from": [cfg.data, cfg.val_data, cfg.test_data]}
+    token_cache.save_tokenized(
+        columns, lambda batch: tokenizer(batch["text"], batch.get("pair"), truncation=True, max_length=length),
+        ["input_ids", "label"], target, {META: json.dumps(meta, indent=2)})
 
 
 def reading_notes(cache_path: Path) -> list:
@@ -201,17 +182,11 @@ def reading_notes(cache_path: Path) -> list:
 
 def prepare_own_splits(cfg, tokenizer, builds: bool = True, gather=lambda obj: [obj], builder: int = 0):
     """(splits, cache path, label names, where the splits came from): token_cache.prepare_splits for --data."""
-    outcome = None
-    if builds:
-        try:
-            path = token_cache.cache_root(cfg.cache_dir) / f"data-{cache_key(cfg, tokenizer)}"
-            with shared_cache.reported(path):
-                if not shared_cache.is_complete(path):
-                    shared_cache.build_once(path, lambda: build_cache(cfg, tokenizer, path))
-            outcome = ("ok", str(path))
-        except (DataError, DiskFull) as e:
-            outcome = shared_cache.failure(e)
-    path = shared_cache.agree(gather(outcome), builder)
+    def locate():
+        path = token_cache.cache_root(cfg.cache_dir) / f"data-{cache_key(cfg, tokenizer)}"
+        return path, lambda: build_cache(cfg, tokenizer, path)
+
+    path = token_cache.built_once(locate, builds, gather, builder)
     keep_last = token_cache.ends_with_special_token(tokenizer) and not cfg.text_pair_column
     with shared_cache.reported(path):
         splits = token_cache.load_cache(path, cfg.max_length, keep_last)  # verified against its digest

@@ -15,14 +15,11 @@ repeated one is refused. Names in messages are quoted and escaped, so spaces and
 characters show.
 """
 
-from __future__ import annotations
-
 import csv
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from fastpt.errors import DataError
 from fastpt.files import trust
@@ -40,10 +37,10 @@ class Table:
     """One split's columns as Python lists, and how to name a row in an error message."""
     columns: dict
     where: str  # the file (or "dataset split") it came from
-    lines: Optional[list] = None  # each row's line in the file (CSV, JSON Lines), for messages
-    label_names: Optional[list] = None  # a ClassLabel column's names
+    lines: list | None = None  # each row's line in the file (CSV, JSON Lines), for messages
+    label_names: list | None = None  # a ClassLabel column's names
     notes: list = field(default_factory=list)  # what reading changed or noticed, one line each
-    rows: Optional[list] = None  # a carved split's rows in the table it came from (None: 0, 1, 2, ...)
+    rows: list | None = None  # a carved split's rows in the table it came from (None: 0, 1, 2, ...)
     use: dict = field(default_factory=dict)  # role ("text", "pair", "label") -> this file's column (resolve_columns)
 
     def __len__(self) -> int:
@@ -56,10 +53,10 @@ class Table:
     def place(self, i: int) -> str:
         return f"line {self.lines[i]}" if self.lines else f"row {i + 1}"
 
-    def select(self, idx) -> "Table":
-        idx = list(idx)
+    def select(self, idx, where: str) -> "Table":
+        """The rows `idx` (a carved split, named `where`), each keeping its place in this table."""
         numbers = self.row_numbers()
-        return Table({k: [v[i] for i in idx] for k, v in self.columns.items()}, self.where,
+        return Table({k: [v[i] for i in idx] for k, v in self.columns.items()}, where,
                      [self.lines[i] for i in idx] if self.lines else None, self.label_names,
                      rows=[numbers[i] for i in idx], use=self.use)
 
@@ -132,13 +129,12 @@ def _read_csv(path: Path, kind: str) -> Table:
             if not header:
                 raise DataError(f"{path} is empty: expected a header line naming the columns")
             keys = column_keys(header, str(path))
-            rows, lines, spans, blank = [], [], [], 0
+            rows, lines, spans = [], [], []  # spans: (first, last line) of each row on several lines
             start = reader.line_num + 1
             for row in reader:
                 end, first = reader.line_num, start
                 start = end + 1
-                if not row:
-                    blank += 1
+                if not row:  # a blank line
                     continue
                 if end > first:
                     spans.append((first, end))
@@ -151,37 +147,29 @@ def _read_csv(path: Path, kind: str) -> Table:
                 lines.append(first)
         except csv.Error as e:
             raise DataError(f"{path}: line {start}: malformed {kind.upper()}: {e}") from None
-    notes = []
-    if spans:  # legitimate for a quoted text with line breaks; a quote left open merges rows silently
-        physical = reader.line_num - 1 - blank
-        notes.append(f"{path}: {len(rows)} rows read from {physical} lines: {len(spans)} row"
-                     f"{'s span' if len(spans) > 1 else ' spans'} several lines inside quotes, the first lines "
-                     f"{spans[0][0]}-{spans[0][1]}")
+    # Legitimate for a quoted text with line breaks; a quote left open merges rows silently.
+    notes = [f"{path}: {len(rows)} rows read from {len(rows) + sum(end - first for first, end in spans)} lines: "
+             f"{len(spans)} row{'s span' if len(spans) > 1 else ' spans'} several lines inside quotes, the first "
+             f"lines {spans[0][0]}-{spans[0][1]}"] if spans else []
     return Table({key: [row[j] for row in rows] for j, key in enumerate(keys)}, str(path), lines, notes=notes)
 
 
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _object_without_repeats(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) < len(keys):
-        raise _RepeatedKey(next(k for k in keys if keys.count(k) > 1))
-    return dict(pairs)
-
-
 def _read_jsonl(path: Path) -> Table:
+    def without_repeats(pairs: list) -> dict:  # a dict would keep only the last of two equal keys
+        keys = [k for k, _ in pairs]
+        repeated = next((k for k in keys if keys.count(k) > 1), None)
+        if repeated is not None:
+            raise DataError(f"{path}: line {number}: the key {show_column(repeated)} appears more than once "
+                            f"in one object")
+        return dict(pairs)
+
     records, lines = [], []
     with open(path, encoding="utf-8-sig") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line, object_pairs_hook=_object_without_repeats)
-            except _RepeatedKey as e:
-                raise DataError(f"{path}: line {number}: the key {show_column(e.args[0])} appears more than once "
-                                f"in one object") from None
+                record = json.loads(line, object_pairs_hook=without_repeats)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {number}: not valid JSON ({e.msg}); expected one object a line") \
                     from None

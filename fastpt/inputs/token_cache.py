@@ -13,14 +13,11 @@ its build records a digest of every file, every load checks it, and a folder clo
 or a full disk is one line (files/shared_cache.py: the lock, the atomic publish, the checks).
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -34,9 +31,6 @@ CACHE_VERSION = 3  # 3: every cache folder carries its digest
 
 
 CACHE_MAX_LENGTH = 512  # the longest --max-length: one cache serves every shorter one
-
-
-FINGERPRINT_BYTES = 4 << 20
 
 
 SPLITS = ("train", "validation", "test")
@@ -53,7 +47,7 @@ def _source_fingerprint(source: Path) -> str:
     if source.is_file():
         h.update(f"file:{source.stat().st_size}:".encode())
         with open(source, "rb") as f:
-            h.update(f.read(FINGERPRINT_BYTES))
+            h.update(f.read(4 << 20))
     else:
         for folder in imdb.FOLDERS:
             d = source / folder
@@ -80,13 +74,9 @@ def cache_key(source: Path, tokenizer) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("FASTPT_CACHE_DIR") or Path.home() / ".cache" / "fastpt")
-
-
-def cache_root(cache_dir: Optional[str]) -> Path:
+def cache_root(cache_dir: str | None) -> Path:
     """--cache-dir, else the default: where the token cache (and the Inductor cache) live."""
-    return Path(cache_dir) if cache_dir else default_cache_dir()
+    return Path(cache_dir or os.environ.get("FASTPT_CACHE_DIR") or Path.home() / ".cache" / "fastpt")
 
 
 def build_cache(source: Path, tokenizer, target: Path) -> None:
@@ -96,25 +86,27 @@ def build_cache(source: Path, tokenizer, target: Path) -> None:
     a half-written cache. If another process published the same cache first (same key, same
     content), its copy is kept and this one dropped.
     """
-    import datasets
-
     reviews = imdb.read_reviews(source)
     texts = [t.replace("<br />", " ") for t in reviews.texts]
+    columns = {name: {"key": [reviews.keys[i] for i in idx], "text": [texts[i] for i in idx],
+                      "label": reviews.labels[idx].tolist()} for name, idx in imdb.split_indices(len(texts)).items()}
+    save_tokenized(columns, lambda batch: tokenizer(batch["text"], truncation=True, max_length=CACHE_MAX_LENGTH),
+                   ["key", "input_ids", "label"], target)
+
+
+def save_tokenized(columns: dict, tokenize, keep: list, target: Path, files: dict | None = None) -> None:
+    """{split: {column: values}} tokenised in batches (`tokenize`: a batch -> the tokenizer's output), the
+    `keep` columns saved with `datasets` and any `files` ({name: text}) beside them, published at target."""
+    import datasets
+
     tmp = shared_cache.new_temporary(target)
     try:
-        splits = {}
-        for name, idx in imdb.split_indices(len(texts)).items():
-            table = datasets.Dataset.from_dict({
-                "key": [reviews.keys[i] for i in idx],
-                "text": [texts[i] for i in idx],
-                "label": reviews.labels[idx].tolist(),
-            })
-            splits[name] = table.map(
-                lambda batch: tokenizer(batch["text"], truncation=True, max_length=CACHE_MAX_LENGTH),
-                batched=True, batch_size=1000, remove_columns=["text"], desc=f"tokenising {name}",
-                load_from_cache_file=False, keep_in_memory=True,
-            ).select_columns(["key", "input_ids", "label"])
-        datasets.DatasetDict(splits).save_to_disk(str(tmp))
+        tokenized = {name: datasets.Dataset.from_dict(split).map(
+            tokenize, batched=True, batch_size=1000, desc=f"tokenising {name}", load_from_cache_file=False,
+            keep_in_memory=True).select_columns(keep) for name, split in columns.items()}
+        datasets.DatasetDict(tokenized).save_to_disk(str(tmp))
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         shared_cache.publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,11 +126,9 @@ def load_cache(path: Path, max_length: int, keep_last: bool = True) -> dict[str,
     out = {}
     for name in SPLITS:
         column = loaded[name].data.column("input_ids").combine_chunks()
-        ids = column.values.to_numpy().astype(np.int32)
         offsets = column.offsets.to_numpy().astype(np.int64)
-        labels = np.asarray(loaded[name]["label"], dtype=np.int64)
-        ids, offsets = truncate(ids, offsets - offsets[0], max_length, keep_last)
-        out[name] = TokenizedSplit(ids, offsets, labels)
+        ids, offsets = truncate(column.values.to_numpy().astype(np.int32), offsets - offsets[0], max_length, keep_last)
+        out[name] = TokenizedSplit(ids, offsets, np.asarray(loaded[name]["label"], dtype=np.int64))
     return out
 
 
@@ -171,7 +161,7 @@ def split_keys(path: Path) -> dict[str, list[str]]:
     return {name: loaded[name]["key"] for name in SPLITS}
 
 
-def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer, max_length: int,
+def prepare_splits(data_dir: str | None, cache_dir: str | None, tokenizer, max_length: int,
                    builds: bool = True, gather=lambda obj: [obj],
                    builder: int = 0) -> tuple[dict[str, TokenizedSplit], Path]:
     """Tokenised train/validation/test splits, cut to max_length.
@@ -184,22 +174,27 @@ def prepare_splits(data_dir: Optional[str], cache_dir: Optional[str], tokenizer,
     has stopped. Separate runs building the same cache at once (also nodes sharing --cache-dir)
     take turns on a lock file: one tokenises, the others wait for it and then read its finished cache.
     """
-    outcome = None
-    if builds:
-        try:
-            source = imdb.find_source(data_dir)
-            root = cache_root(cache_dir)
-            path = root / f"imdb-{cache_key(source, tokenizer)}"
-            with shared_cache.reported(path):
-                if not shared_cache.is_complete(path):
-                    _build_once(source, tokenizer, path)
-            outcome = ("ok", str(path))
-        except (DataError, DiskFull) as e:
-            outcome = shared_cache.failure(e)
-    path = shared_cache.agree(gather(outcome), builder)
+    def locate():
+        source = imdb.find_source(data_dir)
+        path = cache_root(cache_dir) / f"imdb-{cache_key(source, tokenizer)}"
+        return path, lambda: build_cache(source, tokenizer, path)
+
+    path = built_once(locate, builds, gather, builder)
     with shared_cache.reported(path):
         return load_cache(path, max_length, ends_with_special_token(tokenizer)), path
 
 
-def _build_once(source: Path, tokenizer, path: Path) -> None:
-    shared_cache.build_once(path, lambda: build_cache(source, tokenizer, path))
+def built_once(locate, builds: bool, gather, builder: int) -> Path:
+    """The cache folder every rank reads: `locate()` gives (path, build), and a process that `builds`
+    builds it there unless it is complete; the outcomes are gathered and agreed on (see prepare_splits)."""
+    outcome = None
+    if builds:
+        try:
+            path, build = locate()
+            with shared_cache.reported(path):
+                if not shared_cache.is_complete(path):
+                    shared_cache.build_once(path, build)
+            outcome = ("ok", str(path))
+        except (DataError, DiskFull) as e:
+            outcome = shared_cache.failure(e)
+    return shared_cache.agree(gather(outcome), builder)
