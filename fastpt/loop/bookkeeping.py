@@ -73,9 +73,6 @@ class Position:
     def resumed(cls, progress: dict) -> "Position":
         return cls(progress["epoch"], progress["batch_in_epoch"], progress["global_step"], progress["global_step"])
 
-    def next_epoch(self) -> None:
-        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-
     def state(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "global_step": self.global_step}
 
@@ -87,19 +84,15 @@ class DeviceSums:
         """`rank_state`: this rank's part of last.pt (`rank_state()`), so a resumed run averages as the first."""
         self.device = device
         epoch, window = (rank_state or {}).get("epoch_sums"), (rank_state or {}).get("window")
-        self.epoch = None if epoch is None else epoch.to(device)  # loss x examples, correct, examples
+        # loss x examples, correct, examples (an older last.pt saved between epochs holds None: zeros)
+        self.epoch = torch.zeros(3, dtype=torch.float64, device=device) if epoch is None else epoch.to(device)
         # the steps' losses since the last log, and how many
-        self.window_loss, self.window_count = (window[0].to(device), window[1]) if window else (None, 0)
+        self.window_loss, self.window_count = ((window[0].to(device), window[1]) if window
+                                               else (torch.zeros((), dtype=torch.float64, device=device), 0))
         self.skipped_in_a_row = torch.zeros((), dtype=torch.long, device=device)
-        self.first_bad_step = None  # -1, or the first step (from 1) whose loss was not finite
+        # -1, or the first step (from 1) whose loss was not finite; a run never goes on past one (check_finite)
+        self.first_bad_step = torch.full((), -1, dtype=torch.long, device=device)
         self.scaler_skips = False  # float16's GradScaler skips inf/NaN steps: only a long run of them fails
-
-    def start_epoch(self) -> None:
-        if self.epoch is None:
-            self.epoch = torch.zeros(3, dtype=torch.float64, device=self.device)
-        if self.window_loss is None:
-            self.window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.first_bad_step = torch.full((), -1, dtype=torch.long, device=self.device)
 
     def add(self, sums: torch.Tensor, micro_batches: int, step: int, skipped: torch.Tensor | None = None) -> None:
         """One optimiser step's sums (step.metric_sums'); `skipped`: whether float16's scaler skipped the step."""
@@ -137,13 +130,12 @@ class DeviceSums:
     def read_epoch(self) -> dict:
         """The epoch's training loss and accuracy over all ranks; the next epoch starts from zero."""
         sums = distributed.all_reduce_sum(self.epoch.clone()).tolist()
-        self.epoch = None
+        self.epoch.zero_()
         return {"train_loss": sums[0] / max(sums[2], 1), "train_acc": sums[1] / max(sums[2], 1)}
 
     def rank_state(self) -> dict:
         """This rank's running sums: in last.pt, so a resumed run averages and logs as the uninterrupted one."""
-        return {"epoch_sums": None if self.epoch is None else self.epoch.cpu(),
-                "window": None if self.window_loss is None else (self.window_loss.cpu(), self.window_count)}
+        return {"epoch_sums": self.epoch.cpu(), "window": (self.window_loss.cpu(), self.window_count)}
 
 
 class Clocks:
@@ -255,7 +247,6 @@ class Bookkeeping:
     def start_epoch(self, batches_left: int) -> None:
         """Before the epoch's first batch (after a resume: the first one left)."""
         self.clocks.start_epoch()
-        self.sums.start_epoch()
         done = self.position.batch_in_epoch
         self.bar = self.tracker.bar(done + batches_left, f"epoch {self.position.epoch + 1}/{self.epochs}", initial=done)
 

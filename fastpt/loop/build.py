@@ -20,8 +20,6 @@ stopping; then the best weights, the test and results.json (cli/outputs.py).
 What Lightning's `Trainer.fit` + `Trainer.test` do, written out.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import random

@@ -22,8 +22,6 @@ Lightning: `ModelCheckpoint(monitor, mode, save_top_k=1, save_last=True)` and
 `Trainer.fit(ckpt_path="last")`, `Trainer.test(ckpt_path="best")`.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 
 from fastpt.cluster import distributed

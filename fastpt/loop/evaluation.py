@@ -91,12 +91,11 @@ def evaluate(strategy, loader, eval_sums=None, bar=None, compile_clock=None, num
     all_reduce_sum(sums)
     outputs = gather_per_example(loader.batch_sampler, kept) if per_example else None
     strategy.train(was_training)
-    values = sums.tolist()
+    loss_sum, correct, n, loss_weight, *counts = sums.tolist()
     time_s = time.perf_counter() - began
     if bar is not None:
         bar.close()
-    loss_sum, correct, n, loss_weight = values[:4]
-    confusion = np.rint(values[4:]).astype(int).reshape(num_labels, num_labels).tolist()
+    confusion = np.rint(counts).astype(int).reshape(num_labels, num_labels).tolist()
     return {"loss": loss_sum / (loss_weight or 1), "acc": correct / max(n, 1), "macro_f1": macro_f1(confusion),
             "confusion": confusion, "n": int(round(n)), "time_s": time_s,
             "compile_s": compile_clock.seconds - compiled_before if compile_clock is not None else 0.0,

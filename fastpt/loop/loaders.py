@@ -34,16 +34,14 @@ def build_loaders(cfg: TrainConfig, dist: distributed.DistInfo, inputs) -> Loade
     sep_id = inputs.tokenizer.sep_token_id if needs_token_types(cfg, inputs.model_config) else None
     workers, pin = data.loader_settings(cfg, device.type == "cuda", dist.local_world_size)
     collate = data.make_collator(cfg, pad_id, sep_id)
-    train_sampler = data.TrainBatchSampler(splits["train"], cfg.batch_size, dist.rank, dist.world_size, cfg.seed,
-                                           cfg.bucket, cfg.bucket_multiplier, balance_tokens=cfg.pack)
-    eval_samplers = {name: data.EvalBatchSampler(splits[name], cfg.eval_batch_size, dist.rank, dist.world_size,
-                                                 sort_by_length=cfg.varying_lengths)
-                     for name in ("validation", "test")}
-    samplers = {"train": train_sampler, **eval_samplers}
+    samplers = {"train": data.TrainBatchSampler(splits["train"], cfg.batch_size, dist.rank, dist.world_size, cfg.seed,
+                                                cfg.bucket, cfg.bucket_multiplier, balance_tokens=cfg.pack),
+                **{name: data.EvalBatchSampler(splits[name], cfg.eval_batch_size, dist.rank, dist.world_size,
+                                               sort_by_length=cfg.varying_lengths) for name in ("validation", "test")}}
     if cfg.data_on_device:  # the tokenised splits on the device, batches gathered there (no workers)
         from fastpt.inputs.device_data import DeviceLoader
         loaders = {name: DeviceLoader(splits[name], sampler, collate, device) for name, sampler in samplers.items()}
     else:
         loaders = {name: data.make_loader(splits[name], sampler, collate, workers, pin, cfg.seed)
                    for name, sampler in samplers.items()}
-    return Loaders(train_sampler, **loaders, num_workers=workers, pin_memory=pin)
+    return Loaders(samplers["train"], **loaders, num_workers=workers, pin_memory=pin)

@@ -59,5 +59,5 @@ class RunRecord:
                       f"{' (best)' if improved else ''} | {clocks.train_time_s:.1f} s")
         if self.early_stopping.stopped:
             tracker.print(f"early stopping: {self.early_stopping.reason}")
-        position.next_epoch()
+        position.epoch, position.batch_in_epoch = position.epoch + 1, 0
         self.epoch_offset = 0  # only a resumed epoch starts off a global-batch boundary (resize.py)

@@ -1,8 +1,6 @@
 """Training strategies behind one interface (see base.py): single device, DDP, FSDP, DeepSpeed; each builds
 its optimiser and learning-rate schedule from optimizer.py."""
 
-from __future__ import annotations
-
 from fastpt.config import TrainConfig
 from fastpt.cluster.distributed import DistInfo
 from fastpt.strategies.base import Strategy

@@ -39,7 +39,6 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler = None  # --lr-schedule / warmup (optimizer.py); None: the article's constant rate
         self.step_lr: float | None = None  # the learning rate the last step trained with (logged)
-        self._previous_scale: torch.Tensor | None = None  # the loss scale after the last step (step_was_skipped)
         self._skipped: torch.Tensor | None = None  # whether the scaler skipped the last step, on the device
 
     @property
@@ -111,14 +110,20 @@ class Strategy:
     def optimizer_step(self) -> None:
         """The GradScaler's remaining calls in their order around clipping and the step; then the schedule."""
         self.step_lr = self.optimizer.param_groups[0]["lr"]
+        scaled = self.grad_scaler.is_enabled()
+        if scaled:  # the scale the step starts from: the initial one, or the checkpoint's after a resume
+            scale = self.precision.live_scale()[0]  # the live tensor: update() changes it in place
+            before = scale.clone()
         if self.cfg.max_grad_norm is not None:
             self.grad_scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             self.clip_grad_norm_(self.cfg.max_grad_norm)
         self.grad_scaler.step(self.optimizer)  # skipped if the gradients hold inf/NaN
         self.grad_scaler.update()  # lower the scale after a skipped step, raise it after many good ones
         self.optimizer.zero_grad(set_to_none=True)
-        if self.grad_scaler.is_enabled():
-            self._skipped = self._scale_fell()
+        # GradScaler halves its scale on every skipped step and lowers it at no other time (it doubles
+        # it after 2000 good steps in a row), so a scale below the one the step started from marks a skip.
+        if scaled:
+            self._skipped = scale < before
         # The next step's rate; a skipped step (no update) leaves it, as transformers' Trainer does: the
         # one host read per step here, and only under float16 with a schedule (optimizer.py).
         if self.lr_scheduler is not None and not (self._skipped is not None and bool(self._skipped)):
@@ -146,15 +151,6 @@ class Strategy:
     def step_was_skipped(self) -> torch.Tensor:
         """Whether the scaler skipped the step just taken (inf/NaN gradients): a bool on the device, no host read."""
         return self._skipped if self._skipped is not None else torch.tensor(False)
-
-    def _scale_fell(self) -> torch.Tensor:
-        """GradScaler halves its scale on every skipped step and lowers it at no other time (it doubles
-        it after 2000 good steps in a row), so a scale below the previous step's marks a skip."""
-        scale, initial = self.precision.live_scale()  # the live tensor: update() changes it in place
-        # Before the first step: the scale it started from (the initial one, or the checkpoint's after a resume).
-        previous = self._previous_scale if self._previous_scale is not None else initial
-        self._previous_scale = scale.clone()
-        return scale < previous
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)

@@ -111,7 +111,6 @@ class DeepSpeedStrategy(Strategy):
         self._skipped_before = self.model.skipped_steps  # step_was_skipped compares with it
 
     # ------------------------------------------------------------------ the step
-    @contextlib.contextmanager
     def grad_sync(self, enabled: bool):
         """Tell the engine whether this micro-step ends an accumulation window.
 
@@ -120,7 +119,7 @@ class DeepSpeedStrategy(Strategy):
         window at the end of an epoch, so the engine's own micro-step counter is overridden.
         """
         self.model.set_gradient_accumulation_boundary(enabled)
-        yield
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         # The loop has already divided the loss by --grad-accum; the engine must not do it again.

@@ -95,14 +95,10 @@ class FSDPStrategy(Strategy):
         return apply_fsdp(module, self.cfg.fsdp_reshard_after_forward, self.precision.dtype if self.cfg.amp else None,
                           self.cfg.compile_mode if self.cfg.compile else None, self.cfg.varying_lengths)
 
-    @contextlib.contextmanager
     def grad_sync(self, enabled: bool):
         """On accumulation micro-batches keep full local gradients instead of reduce-scattering."""
-        self.module.set_requires_gradient_sync(enabled)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
+        self.module.set_requires_gradient_sync(enabled)  # every step's last micro-batch sets it back
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state
     def model_state_dict(self) -> dict:

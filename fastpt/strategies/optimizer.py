@@ -104,8 +104,4 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
     if training_steps is None:
         raise ValueError("a learning-rate schedule needs the run's number of optimiser steps")
     warmup = warmup_steps(cfg, training_steps)
-
-    def factor(step: int) -> float:
-        return lr_factor(cfg.lr_schedule, step, warmup, training_steps)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg.lr_schedule, s, warmup, training_steps))
