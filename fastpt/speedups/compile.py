@@ -127,6 +127,7 @@ What a compiled run sets while it lasts (`compiled_run_settings`, undone by `res
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
@@ -206,44 +207,35 @@ CHUNK = 4096  # Inductor's chunk for a float32 sum on a CPU (torch/_inductor/cod
 # Dynamo's names for entering and leaving an autocast region inside a graph (torch/_dynamo/variables/ctx_manager.py).
 AUTOCAST_CALLS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
 
-_before_run: dict = {}  # each setting as the run found it, put back by restore_settings()
+_undo = contextlib.ExitStack()  # puts each setting back as the run found it, at restore_settings()
 
 
 def compiled_run_settings(device: torch.device, cache_root: Path) -> None:
     """The process-wide settings of a compiled run (see the module's docstring), set before anything compiles."""
-    _before_run["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(cache_root)
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    _before_run["specialize_float"] = dynamo_config.specialize_float
-    dynamo_config.specialize_float = True
-    _before_run["cacheable"] = dict(inductor_config.unsafe_marked_cacheable_functions)
-    inductor_config.unsafe_marked_cacheable_functions = {
-        **inductor_config.unsafe_marked_cacheable_functions, **{name: torch.__version__ for name in AUTOCAST_CALLS}}
+    _undo.callback(_set_env, "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(cache_root)
+    cacheable = {**inductor_config.unsafe_marked_cacheable_functions, **{name: torch.__version__ for name in AUTOCAST_CALLS}}
+    _undo.enter_context(dynamo_config.patch(specialize_float=True))
+    _undo.enter_context(inductor_config.patch(unsafe_marked_cacheable_functions=cacheable))
     if device.type == "cpu":
+        _undo.enter_context(inductor_config.patch(fallback_random=True))
         _chunked_sum_without_guard(True)
-        _before_run["fallback_random"] = inductor_config.fallback_random
-        inductor_config.fallback_random = True
+        _undo.callback(_chunked_sum_without_guard, False)
 
 
 def restore_settings() -> None:
     """The settings as `compiled_run_settings` found them (nothing if it did not run)."""
-    if "cacheable" in _before_run:
-        import torch._dynamo.config as dynamo_config
-        import torch._inductor.config as inductor_config
+    _undo.close()
 
-        dynamo_config.specialize_float = _before_run.pop("specialize_float")
-        inductor_config.unsafe_marked_cacheable_functions = _before_run.pop("cacheable")
-        _chunked_sum_without_guard(False)
-        if "fallback_random" in _before_run:
-            inductor_config.fallback_random = _before_run.pop("fallback_random")
-    if "TORCHINDUCTOR_CACHE_DIR" in _before_run:
-        previous = _before_run.pop("TORCHINDUCTOR_CACHE_DIR")
-        if previous is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def compile_cache_dir(cache_root: Path) -> str:
