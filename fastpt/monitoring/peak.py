@@ -35,6 +35,7 @@ import torch
 
 from fastpt.errors import DiskFull
 from fastpt.files import checkpoint, trust
+from fastpt.monitoring.metrics import synchronize
 
 SQUARE = 2048
 PROBE_S = 0.25  # seconds per timing; the best of three timings per shape
@@ -74,35 +75,25 @@ def matmul_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, device: torch
     b = torch.randn(k, n, device=device, generator=g).to(dtype)
     few = min(m, CALIBRATION_ROWS)
     a = torch.randn(few, k, device=device, generator=g).to(dtype)
-    torch.mm(a, b)  # first call: oneDNN / cuBLAS picks and prepares its kernel
-    _sync(device)
-    start = time.perf_counter()
-    torch.mm(a, b)
-    _sync(device)
-    rate = 2 * few * k * n / max(time.perf_counter() - start, 1e-9)
+    _seconds(a, b, device)  # first call: oneDNN / cuBLAS picks and prepares its kernel
+    rate = 2 * few * k * n / max(_seconds(a, b, device), 1e-9)
     rows = int(min(m, max(few, PROBE_S * rate / (2 * k * n))))
     if rows > few:
         a = torch.randn(rows, k, device=device, generator=g).to(dtype)
-        torch.mm(a, b)
-        _sync(device)
-    start = time.perf_counter()
-    torch.mm(a, b)
-    _sync(device)
-    once = max(time.perf_counter() - start, 1e-6)
+        _seconds(a, b, device)
+    once = max(_seconds(a, b, device), 1e-6)
     reps = max(1, int(PROBE_S / once))
-    best = 0.0
-    for _ in range(3 if once < PROBE_S else 1):  # a slow matmul: one timing is enough
-        start = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b)
-        _sync(device)
-        best = max(best, 2 * rows * k * n * reps / (time.perf_counter() - start))
-    return best, rows
+    timings = 3 if once < PROBE_S else 1  # a slow matmul: one timing is enough
+    return max(2 * rows * k * n * reps / _seconds(a, b, device, reps) for _ in range(timings)), rows
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _seconds(a: torch.Tensor, b: torch.Tensor, device: torch.device, reps: int = 1) -> float:
+    """Seconds of `reps` products a @ b, the device synchronised before the clock is read."""
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_root: Optional[Path],
@@ -137,9 +128,7 @@ def read_cached(path: Path, key: dict) -> Optional[dict]:
         if trust.problem(path.parent) is not None or path.lstat().st_uid != os.getuid():
             return None
         found = trust.read_json(path, CACHE_LIMIT)
-        if not isinstance(found, dict) or found.get("key") != json.loads(json.dumps(key)):
-            return None
-        return found
+        return found if isinstance(found, dict) and found.get("key") == json.loads(json.dumps(key)) else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
