@@ -43,9 +43,6 @@ def group_by_length(indices: list[int], lengths, batch_size: int, multiplier: in
 
 def padding_efficiency(lengths, batches: list[list[int]], pad_to: int | None = None) -> float:
     """Real tokens / computed tokens when each batch is padded to `pad_to`, or to its own longest."""
-    real = padded = 0
-    for batch in batches:
-        batch_lengths = [int(lengths[i]) for i in batch]
-        real += sum(batch_lengths)
-        padded += len(batch) * (pad_to if pad_to is not None else max(batch_lengths))
-    return real / max(1, padded)
+    per_batch = [[int(lengths[i]) for i in batch] for batch in batches]
+    padded = sum(len(b) * (pad_to if pad_to is not None else max(b)) for b in per_batch)
+    return sum(map(sum, per_batch)) / max(1, padded)
