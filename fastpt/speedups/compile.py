@@ -158,10 +158,9 @@ def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks: DistilBERT's, BERT's (MiniLM), RoBERTa's encoder layers (also inside PackedClassifier)."""
     if hasattr(model, "distilbert"):
         return list(model.distilbert.transformer.layer)
-    if hasattr(model, "bert"):
-        return list(model.bert.encoder.layer)
-    encoder = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "encoder", None)
-    if hasattr(encoder, "layer"):  # RoBERTa and the other BERT-style encoders
+    prefix = getattr(model, "encoder_name", None) or getattr(model, "base_model_prefix", "")  # PackedClassifier's, HF's
+    encoder = getattr(getattr(model, prefix, None), "encoder", None)
+    if hasattr(encoder, "layer"):  # BERT (MiniLM), RoBERTa and the other BERT-style encoders
         return list(encoder.layer)
     raise ValueError(f"fastpt does not know where the transformer layers of {type(model).__name__} are")
 
