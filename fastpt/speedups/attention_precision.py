@@ -45,6 +45,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from fastpt.cluster import distributed
+from fastpt.speedups.amp import DTYPES
 from fastpt.speedups.packed_attention import apply_packed_attention, packed_attention
 
 REPEATS = 2  # A B B A passes after one warm-up call of each: four timings of each, their median kept
@@ -137,9 +139,6 @@ def choose(fixed: Optional[dict], measure: Callable[[], dict], recorded: Optiona
 def for_run(cfg, dist, model: torch.nn.Module, train_split, resume_state: Optional[dict] = None) -> dict:
     """A training run's choice, measured on its model's shapes and its first batch (padded or packed as it
     runs); every rank takes part (the broadcast)."""
-    from fastpt.cluster import distributed
-    from fastpt.speedups.amp import DTYPES
-
     amp_dtype = cfg.amp_dtype if cfg.amp else None
     lengths = [min(int(n), cfg.max_length) for n in train_split.lengths[:cfg.batch_size]]
     padded_to = cfg.max_length if cfg.pad_to == "max_length" else None
@@ -155,9 +154,6 @@ def for_run(cfg, dist, model: torch.nn.Module, train_split, resume_state: Option
 
 def for_predictions(amp_dtype: Optional[str], dist, model: torch.nn.Module, loader) -> dict:
     """fastpt-predict's choice, measured the same way on its own first batch, forward only (inference)."""
-    from fastpt.cluster import distributed
-    from fastpt.speedups.amp import DTYPES
-
     def measure() -> dict:
         batch = next(iter(loader))
         inputs = attention_inputs(batch["lengths"], *attention_shape(model), DTYPES[amp_dtype], "cu_seqlens" in batch,
