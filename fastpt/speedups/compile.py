@@ -128,8 +128,7 @@ What a compiled run sets while it lasts (`compiled_run_settings`, undone by `res
 from __future__ import annotations
 
 import contextlib
-import functools
-import operator
+import math
 import os
 import sys
 from pathlib import Path
@@ -221,8 +220,7 @@ def compiled_run_settings(device: torch.device, cache_root: Path) -> None:
     _undo.enter_context(inductor_config.patch(unsafe_marked_cacheable_functions=cacheable))
     if device.type == "cpu":
         _undo.enter_context(inductor_config.patch(fallback_random=True))
-        _chunked_sum_without_guard(True)
-        _undo.callback(_chunked_sum_without_guard, False)
+        _chunked_sum_without_guard()
 
 
 def restore_settings() -> None:
@@ -269,26 +267,23 @@ def check_compile_cache(cache_root: Path) -> None:
                          f"your own, or choose another --cache-dir")
 
 
-def _chunked_sum_without_guard(on: bool) -> None:
+def _chunked_sum_without_guard() -> None:
     """Inductor's CPU kernels: a float32 sum of a size known only at run time uses the chunked
-    summation, without guarding on the size (on), or Inductor's own rule again (off)."""
+    summation, without guarding on the size, until restore_settings() puts Inductor's own rule back."""
     try:
         from torch._inductor.codegen.cpp import CppKernel
         from torch._inductor.virtualized import V
     except ImportError:  # pragma: no cover - another torch's layout: its own rule stays
         return
-    own = getattr(CppKernel.need_use_acc_helper, "inductors_own", CppKernel.need_use_acc_helper)
-    if not on:
-        CppKernel.need_use_acc_helper = own
-        return
+    own = CppKernel.need_use_acc_helper
 
     def need_use_acc_helper(self, reduction_type, dtype, use_scalar):
         if reduction_type == "sum" and dtype == torch.float and getattr(self, "call_ranges", None) is not None:
-            size = functools.reduce(operator.mul, self.call_ranges[self.reduction_depth:])
+            size = math.prod(self.call_ranges[self.reduction_depth:])
             sizes = V.graph.sizevars
             if not (sizes.statically_known_leq(size, CHUNK) or sizes.statically_known_gt(size, CHUNK)):
                 return True
         return own(self, reduction_type, dtype, use_scalar)
 
-    need_use_acc_helper.inductors_own = own
     CppKernel.need_use_acc_helper = need_use_acc_helper
+    _undo.callback(setattr, CppKernel, "need_use_acc_helper", own)
