@@ -21,8 +21,6 @@ This is an achieved peak, not a datasheet one: MFU against it says how much of w
 machine's matmuls reach the step uses, which is the question a CPU run asks.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os

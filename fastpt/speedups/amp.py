@@ -26,8 +26,6 @@ Replaces Lightning's `precision="16-mixed"` (`--amp`) and `precision="bf16-mixed
 (`--amp --amp-dtype bfloat16`).
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch

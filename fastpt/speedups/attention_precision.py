@@ -35,8 +35,6 @@ exact one: the same 16-bit inputs, attended in float32, rounded once at the end.
 Lightning has no flag for this: `precision="bf16-mixed"` runs SDPA in bfloat16 wherever it runs.
 """
 
-from __future__ import annotations
-
 import statistics
 import time
 from types import SimpleNamespace

@@ -24,8 +24,6 @@ graph serves every length (compile.py). `--pack` removes padding without reorder
 Lightning has no flag for this; it is what Hugging Face's `group_by_length=True` does.
 """
 
-from __future__ import annotations
-
 import torch
 
 

@@ -125,8 +125,6 @@ What a compiled run sets while it lasts (`compiled_run_settings`, undone by `res
   On CUDA Inductor's own (Philox, in the kernel) stay.
 """
 
-from __future__ import annotations
-
 import contextlib
 import math
 import os

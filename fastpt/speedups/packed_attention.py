@@ -24,8 +24,6 @@ measured (1.15-1.37x on an AVX2 EPYC in fp32, 1.14-1.28x on an AVX512-BF16 EPYC 
 fastpt has no such kernel.
 """
 
-from __future__ import annotations
-
 import functools
 import inspect
 

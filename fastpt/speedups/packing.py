@@ -35,8 +35,6 @@ Lightning has no flag for this. In Hugging Face it is `DataCollatorWithFlattenin
 training: one row, `position_ids` restarting per example) with a flash-attention implementation.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 import torch.nn.functional as F
