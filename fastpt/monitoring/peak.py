@@ -21,6 +21,7 @@ This is an achieved peak, not a datasheet one: MFU against it says how much of w
 machine's matmuls reach the step uses, which is the question a CPU run asks.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -43,16 +44,13 @@ CACHE_LIMIT = 1 << 20  # bytes: a cached figure is a few hundred
 
 def cpu_identity() -> dict:
     """The CPU's model name and instruction-set flags (Linux /proc/cpuinfo; platform's name elsewhere)."""
-    model, flags = platform.processor() or platform.machine(), ""
-    try:
+    info = {}  # each key's first value: every core repeats them
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                model = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
+            info.setdefault(key.strip(), value.strip())
+    model = info.get("model name") or platform.processor() or platform.machine()
+    flags = info.get("flags") or info.get("Features", "")  # x86's name, Arm's
     return {"model": model, "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12],
             "capability": torch.backends.cpu.get_cpu_capability()}
 
