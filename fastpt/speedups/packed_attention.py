@@ -165,15 +165,11 @@ def _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)[None]
 
 
-def _varlen_options() -> frozenset:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return frozenset()
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-_VARLEN_OPTIONS = _varlen_options()
+try:  # the parameters of this torch's varlen_attn, none before PyTorch 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    _VARLEN_OPTIONS = frozenset(inspect.signature(_varlen_attn).parameters)
+except ImportError:
+    _VARLEN_OPTIONS = frozenset()
 KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention, "mask": _mask_attention}
 
 
