@@ -184,7 +184,8 @@ def torch_compile_seconds() -> float:
 # one entry per forward or backward graph) and AOTAutograd's (the traced and partitioned
 # forward/backward pair, which then loads its graphs from the FX graph cache).
 CACHE_COUNTERS = {f"{cache}_{event}": (group, f"{cache}_cache_{event}")
-                  for cache, group in (("fxgraph", "inductor"), ("autograd", "aot_autograd")) for event in ("hit", "miss", "bypass")}
+                  for cache, group in (("fxgraph", "inductor"), ("autograd", "aot_autograd"))
+                  for event in ("hit", "miss", "bypass")}
 
 
 def compile_cache_counts() -> dict:

@@ -46,7 +46,7 @@ class MixedPrecision:
         self.grad_scaler = torch.amp.GradScaler(device.type, enabled=enabled and dtype == "float16")
 
     def autocast(self):
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype) if self.enabled else contextlib.nullcontext()
+        return torch.autocast(self.device_type, self.dtype) if self.enabled else contextlib.nullcontext()
 
     def live_scale(self) -> tuple[torch.Tensor, float]:
         """(the loss scale as the live device tensor, the scale it started from), read without a host sync.

@@ -213,7 +213,8 @@ def compiled_run_settings(device: torch.device, cache_root: Path) -> None:
 
     _undo.callback(_set_env, "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(cache_root)
-    cacheable = {**inductor_config.unsafe_marked_cacheable_functions, **{name: torch.__version__ for name in AUTOCAST_CALLS}}
+    cacheable = {**inductor_config.unsafe_marked_cacheable_functions,
+                 **{name: torch.__version__ for name in AUTOCAST_CALLS}}
     _undo.enter_context(dynamo_config.patch(specialize_float=True))
     _undo.enter_context(inductor_config.patch(unsafe_marked_cacheable_functions=cacheable))
     if device.type == "cpu":
