@@ -99,12 +99,10 @@ def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_r
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "threads": torch.get_num_threads(), "ranks_per_host": ranks_per_host,
            "dtype": str(dtype).removeprefix("torch."), "shapes": probe_shapes(hidden)}
-    path = None
-    if cache_root is not None:
-        path = cache_path(cache_root, "peak", key)
-        cached = read_cached(path, key)
-        if cached is not None and positive_number(cached.get("flops_per_s")):
-            return {**cached, "source": f"measured earlier on this machine ({path})"}
+    path = cache_path(cache_root, "peak", key) if cache_root is not None else None
+    cached = read_cached(path, key) if path is not None else None
+    if cached is not None and positive_number(cached.get("flops_per_s")):
+        return {**cached, "source": f"measured earlier on this machine ({path})"}
     rates = []
     for m, k, n in key["shapes"]:
         rate, rows = matmul_flops_per_s(m, k, n, dtype, device)

@@ -78,7 +78,7 @@ def attention_inputs(lengths: list, heads: int, head_dim: int, dtype: torch.dtyp
     if packed:
         shape = (1, sum(lengths))
         extra = {"cu_seqlens": torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32),
-                 "max_seqlen": max(lengths), "packed_kernel": kernel}
+                 "attention_mask": None, "max_seqlen": max(lengths), "packed_kernel": kernel}
     else:
         width = padded_to or max(lengths)
         keys = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
@@ -98,7 +98,6 @@ def time_attention(float32: bool, inputs: tuple, backward: bool = True) -> float
     """Seconds of one attention call (with `float32`: on float32 copies), and its backward, under autocast."""
     *qkv, extra = inputs
     query, key, value = (x.detach().requires_grad_(backward) for x in qkv)
-    extra = {"attention_mask": None, **extra}
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=query.dtype), torch.set_grad_enabled(backward):
         out, _ = packed_attention(STAND_IN, query, key, value, float32=float32, **extra)
