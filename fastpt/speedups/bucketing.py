@@ -35,8 +35,7 @@ def group_by_length(indices: list[int], lengths, batch_size: int, multiplier: in
     for start in range(0, len(indices), mega):
         chunk = sorted(indices[start:start + mega], key=lambda i: lengths[i], reverse=True)
         batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    order = torch.randperm(len(batches), generator=generator).tolist()
-    return [batches[i] for i in order]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
 def padding_efficiency(lengths, batches: list[list[int]], pad_to: int | None = None) -> float:

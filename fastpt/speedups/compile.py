@@ -179,9 +179,8 @@ def compile_layers(model: torch.nn.Module, mode: str = "default", dynamic_tokens
 
 def mark_token_dim_dynamic(batch: dict) -> dict:
     """Compile the token dimension as a symbol: one graph for every batch length, no recompiles."""
-    for key in TOKEN_KEYS:
-        if key in batch:
-            torch._dynamo.mark_dynamic(batch[key], 1)
+    for key in batch.keys() & TOKEN_KEYS:
+        torch._dynamo.mark_dynamic(batch[key], 1)
     return batch
 
 

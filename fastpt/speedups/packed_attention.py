@@ -206,8 +206,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    out = KERNEL_FUNCTIONS[packed_kernel](query, key, value, cu_seqlens, max_seqlen, scaling)
-    return out, None
+    return KERNEL_FUNCTIONS[packed_kernel](query, key, value, cu_seqlens, max_seqlen, scaling), None
 
 
 def apply_packed_attention(model: nn.Module, float32: bool = False) -> nn.Module:
