@@ -183,9 +183,9 @@ def torch_compile_seconds() -> float:
 # torch's counters of its two on-disk compile caches: Inductor's FX graph cache (generated kernels,
 # one entry per forward or backward graph) and AOTAutograd's (the traced and partitioned
 # forward/backward pair, which then loads its graphs from the FX graph cache).
-CACHE_COUNTERS = {f"fxgraph_{event}": ("inductor", f"fxgraph_cache_{event}") for event in ("hit", "miss", "bypass")}
-CACHE_COUNTERS.update({f"autograd_{event}": ("aot_autograd", f"autograd_cache_{event}")
-                       for event in ("hit", "miss", "bypass")})
+CACHE_COUNTERS = {f"{cache}_{event}": (group, f"{cache}_cache_{event}")
+                  for cache, group in (("fxgraph", "inductor"), ("autograd", "aot_autograd"))
+                  for event in ("hit", "miss", "bypass")}
 
 
 def compile_cache_counts() -> dict:

@@ -21,8 +21,7 @@ This is an achieved peak, not a datasheet one: MFU against it says how much of w
 machine's matmuls reach the step uses, which is the question a CPU run asks.
 """
 
-from __future__ import annotations
-
+import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +34,7 @@ import torch
 
 from fastpt.errors import DiskFull
 from fastpt.files import checkpoint, trust
+from fastpt.monitoring.metrics import synchronize
 
 SQUARE = 2048
 PROBE_S = 0.25  # seconds per timing; the best of three timings per shape
@@ -44,16 +44,13 @@ CACHE_LIMIT = 1 << 20  # bytes: a cached figure is a few hundred
 
 def cpu_identity() -> dict:
     """The CPU's model name and instruction-set flags (Linux /proc/cpuinfo; platform's name elsewhere)."""
-    model, flags = platform.processor() or platform.machine(), ""
-    try:
+    info = {}  # each key's first value: every core repeats them
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                model = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
+            info.setdefault(key.strip(), value.strip())
+    model = info.get("model name") or platform.processor() or platform.machine()
+    flags = info.get("flags") or info.get("Features", "")  # x86's name, Arm's
     return {"model": model, "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12],
             "capability": torch.backends.cpu.get_cpu_capability()}
 
@@ -74,35 +71,25 @@ def matmul_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, device: torch
     b = torch.randn(k, n, device=device, generator=g).to(dtype)
     few = min(m, CALIBRATION_ROWS)
     a = torch.randn(few, k, device=device, generator=g).to(dtype)
-    torch.mm(a, b)  # first call: oneDNN / cuBLAS picks and prepares its kernel
-    _sync(device)
-    start = time.perf_counter()
-    torch.mm(a, b)
-    _sync(device)
-    rate = 2 * few * k * n / max(time.perf_counter() - start, 1e-9)
+    _seconds(a, b, device)  # first call: oneDNN / cuBLAS picks and prepares its kernel
+    rate = 2 * few * k * n / max(_seconds(a, b, device), 1e-9)
     rows = int(min(m, max(few, PROBE_S * rate / (2 * k * n))))
     if rows > few:
         a = torch.randn(rows, k, device=device, generator=g).to(dtype)
-        torch.mm(a, b)
-        _sync(device)
-    start = time.perf_counter()
-    torch.mm(a, b)
-    _sync(device)
-    once = max(time.perf_counter() - start, 1e-6)
+        _seconds(a, b, device)
+    once = max(_seconds(a, b, device), 1e-6)
     reps = max(1, int(PROBE_S / once))
-    best = 0.0
-    for _ in range(3 if once < PROBE_S else 1):  # a slow matmul: one timing is enough
-        start = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b)
-        _sync(device)
-        best = max(best, 2 * rows * k * n * reps / (time.perf_counter() - start))
-    return best, rows
+    timings = 3 if once < PROBE_S else 1  # a slow matmul: one timing is enough
+    return max(2 * rows * k * n * reps / _seconds(a, b, device, reps) for _ in range(timings)), rows
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _seconds(a: torch.Tensor, b: torch.Tensor, device: torch.device, reps: int = 1) -> float:
+    """Seconds of `reps` products a @ b, the device synchronised before the clock is read."""
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_root: Optional[Path],
@@ -112,12 +99,10 @@ def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_r
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "threads": torch.get_num_threads(), "ranks_per_host": ranks_per_host,
            "dtype": str(dtype).removeprefix("torch."), "shapes": probe_shapes(hidden)}
-    path = None
-    if cache_root is not None:
-        path = cache_path(cache_root, "peak", key)
-        cached = read_cached(path, key)
-        if cached is not None and positive_number(cached.get("flops_per_s")):
-            return {**cached, "source": f"measured earlier on this machine ({path})"}
+    path = cache_path(cache_root, "peak", key) if cache_root is not None else None
+    cached = read_cached(path, key) if path is not None else None
+    if cached is not None and positive_number(cached.get("flops_per_s")):
+        return {**cached, "source": f"measured earlier on this machine ({path})"}
     rates = []
     for m, k, n in key["shapes"]:
         rate, rows = matmul_flops_per_s(m, k, n, dtype, device)
@@ -137,9 +122,7 @@ def read_cached(path: Path, key: dict) -> Optional[dict]:
         if trust.problem(path.parent) is not None or path.lstat().st_uid != os.getuid():
             return None
         found = trust.read_json(path, CACHE_LIMIT)
-        if not isinstance(found, dict) or found.get("key") != json.loads(json.dumps(key)):
-            return None
-        return found
+        return found if isinstance(found, dict) and found.get("key") == json.loads(json.dumps(key)) else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 

@@ -60,25 +60,25 @@ class Tracker:
         return tqdm(total=total, desc=desc, initial=initial, leave=leave, dynamic_ncols=True,
                     disable=not self.progress, file=sys.stderr)
 
-    def scalars(self, values: dict, step: int, prefix: str = "") -> None:
+    def _write(self, method: str, *args, **kwargs) -> None:
+        """One call of the TensorBoard writer's `method`, where there is a writer (a full disk: DiskFull)."""
         if self.writer:
             with _event_file_errors(self.out_dir / "tb"):
-                for k, v in values.items():
-                    if isinstance(v, (int, float)):
-                        self.writer.add_scalar(f"{prefix}{k}", v, step)
+                getattr(self.writer, method)(*args, **kwargs)
+
+    def scalars(self, values: dict, step: int, prefix: str = "") -> None:
+        for k, v in values.items():
+            if isinstance(v, (int, float)):
+                self._write("add_scalar", f"{prefix}{k}", v, step)
 
     def text(self, tag: str, text: str, step: int | None = None) -> None:
-        if self.writer:
-            with _event_file_errors(self.out_dir / "tb"):
-                self.writer.add_text(tag, f"```\n{text}\n```", step)
+        self._write("add_text", tag, f"```\n{text}\n```", step)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
-        if self.writer:
-            clean = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                     for k, v in applicable_hparams(hparams).items()}
-            scores = {f"hparam/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
-            with _event_file_errors(self.out_dir / "tb"):
-                self.writer.add_hparams(clean, scores, run_name="hparams")
+        clean = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                 for k, v in applicable_hparams(hparams).items()}
+        scores = {f"hparam/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self._write("add_hparams", clean, scores, run_name="hparams")
 
     def write_json(self, name: str, data: dict) -> None:
         write_json_atomic(self.out_dir / name, data)

@@ -26,8 +26,6 @@ Replaces Lightning's `precision="16-mixed"` (`--amp`) and `precision="bf16-mixed
 (`--amp --amp-dtype bfloat16`).
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch
@@ -48,9 +46,7 @@ class MixedPrecision:
         self.grad_scaler = torch.amp.GradScaler(device.type, enabled=enabled and dtype == "float16")
 
     def autocast(self):
-        if not self.enabled:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+        return torch.autocast(self.device_type, self.dtype) if self.enabled else contextlib.nullcontext()
 
     def live_scale(self) -> tuple[torch.Tensor, float]:
         """(the loss scale as the live device tensor, the scale it started from), read without a host sync.
@@ -60,11 +56,12 @@ class MixedPrecision:
         """
         return self.grad_scaler._get_scale_async(), self.grad_scaler._init_scale
 
+    # A disabled GradScaler saves {} and loads nothing; an enabled one refuses the {} a run without it saved.
     def state_dict(self) -> dict:
-        return self.grad_scaler.state_dict() if self.grad_scaler.is_enabled() else {}
+        return self.grad_scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if state and self.grad_scaler.is_enabled():
+        if state:
             self.grad_scaler.load_state_dict(state)
 
 

@@ -35,8 +35,6 @@ exact one: the same 16-bit inputs, attended in float32, rounded once at the end.
 Lightning has no flag for this: `precision="bf16-mixed"` runs SDPA in bfloat16 wherever it runs.
 """
 
-from __future__ import annotations
-
 import statistics
 import time
 from types import SimpleNamespace
@@ -45,6 +43,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from fastpt.cluster import distributed
+from fastpt.speedups.amp import DTYPES
 from fastpt.speedups.packed_attention import apply_packed_attention, packed_attention
 
 REPEATS = 2  # A B B A passes after one warm-up call of each: four timings of each, their median kept
@@ -78,7 +78,7 @@ def attention_inputs(lengths: list, heads: int, head_dim: int, dtype: torch.dtyp
     if packed:
         shape = (1, sum(lengths))
         extra = {"cu_seqlens": torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32),
-                 "max_seqlen": max(lengths), "packed_kernel": kernel}
+                 "attention_mask": None, "max_seqlen": max(lengths), "packed_kernel": kernel}
     else:
         width = padded_to or max(lengths)
         keys = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
@@ -98,7 +98,6 @@ def time_attention(float32: bool, inputs: tuple, backward: bool = True) -> float
     """Seconds of one attention call (with `float32`: on float32 copies), and its backward, under autocast."""
     *qkv, extra = inputs
     query, key, value = (x.detach().requires_grad_(backward) for x in qkv)
-    extra = {"attention_mask": None, **extra}
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=query.dtype), torch.set_grad_enabled(backward):
         out, _ = packed_attention(STAND_IN, query, key, value, float32=float32, **extra)
@@ -137,9 +136,6 @@ def choose(fixed: Optional[dict], measure: Callable[[], dict], recorded: Optiona
 def for_run(cfg, dist, model: torch.nn.Module, train_split, resume_state: Optional[dict] = None) -> dict:
     """A training run's choice, measured on its model's shapes and its first batch (padded or packed as it
     runs); every rank takes part (the broadcast)."""
-    from fastpt.cluster import distributed
-    from fastpt.speedups.amp import DTYPES
-
     amp_dtype = cfg.amp_dtype if cfg.amp else None
     lengths = [min(int(n), cfg.max_length) for n in train_split.lengths[:cfg.batch_size]]
     padded_to = cfg.max_length if cfg.pad_to == "max_length" else None
@@ -155,9 +151,6 @@ def for_run(cfg, dist, model: torch.nn.Module, train_split, resume_state: Option
 
 def for_predictions(amp_dtype: Optional[str], dist, model: torch.nn.Module, loader) -> dict:
     """fastpt-predict's choice, measured the same way on its own first batch, forward only (inference)."""
-    from fastpt.cluster import distributed
-    from fastpt.speedups.amp import DTYPES
-
     def measure() -> dict:
         batch = next(iter(loader))
         inputs = attention_inputs(batch["lengths"], *attention_shape(model), DTYPES[amp_dtype], "cu_seqlens" in batch,

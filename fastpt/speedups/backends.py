@@ -17,8 +17,6 @@ what each does and why).
   process-wide, so `restore()` turns it back off when the run ends.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 
 import torch

@@ -24,8 +24,6 @@ graph serves every length (compile.py). `--pack` removes padding without reorder
 Lightning has no flag for this; it is what Hugging Face's `group_by_length=True` does.
 """
 
-from __future__ import annotations
-
 import torch
 
 
@@ -37,15 +35,11 @@ def group_by_length(indices: list[int], lengths, batch_size: int, multiplier: in
     for start in range(0, len(indices), mega):
         chunk = sorted(indices[start:start + mega], key=lambda i: lengths[i], reverse=True)
         batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    order = torch.randperm(len(batches), generator=generator).tolist()
-    return [batches[i] for i in order]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
 def padding_efficiency(lengths, batches: list[list[int]], pad_to: int | None = None) -> float:
     """Real tokens / computed tokens when each batch is padded to `pad_to`, or to its own longest."""
-    real = padded = 0
-    for batch in batches:
-        batch_lengths = [int(lengths[i]) for i in batch]
-        real += sum(batch_lengths)
-        padded += len(batch) * (pad_to if pad_to is not None else max(batch_lengths))
-    return real / max(1, padded)
+    per_batch = [[int(lengths[i]) for i in batch] for batch in batches]
+    padded = sum(len(b) * (pad_to if pad_to is not None else max(b)) for b in per_batch)
+    return sum(map(sum, per_batch)) / max(1, padded)

@@ -125,10 +125,8 @@ What a compiled run sets while it lasts (`compiled_run_settings`, undone by `res
   On CUDA Inductor's own (Philox, in the kernel) stay.
 """
 
-from __future__ import annotations
-
-import functools
-import operator
+import contextlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -157,10 +155,9 @@ def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks: DistilBERT's, BERT's (MiniLM), RoBERTa's encoder layers (also inside PackedClassifier)."""
     if hasattr(model, "distilbert"):
         return list(model.distilbert.transformer.layer)
-    if hasattr(model, "bert"):
-        return list(model.bert.encoder.layer)
-    encoder = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "encoder", None)
-    if hasattr(encoder, "layer"):  # RoBERTa and the other BERT-style encoders
+    prefix = getattr(model, "encoder_name", None) or getattr(model, "base_model_prefix", "")  # PackedClassifier's, HF's
+    encoder = getattr(getattr(model, prefix, None), "encoder", None)
+    if hasattr(encoder, "layer"):  # BERT (MiniLM), RoBERTa and the other BERT-style encoders
         return list(encoder.layer)
     raise ValueError(f"fastpt does not know where the transformer layers of {type(model).__name__} are")
 
@@ -182,9 +179,8 @@ def compile_layers(model: torch.nn.Module, mode: str = "default", dynamic_tokens
 
 def mark_token_dim_dynamic(batch: dict) -> dict:
     """Compile the token dimension as a symbol: one graph for every batch length, no recompiles."""
-    for key in TOKEN_KEYS:
-        if key in batch:
-            torch._dynamo.mark_dynamic(batch[key], 1)
+    for key in batch.keys() & TOKEN_KEYS:
+        torch._dynamo.mark_dynamic(batch[key], 1)
     return batch
 
 
@@ -206,44 +202,35 @@ CHUNK = 4096  # Inductor's chunk for a float32 sum on a CPU (torch/_inductor/cod
 # Dynamo's names for entering and leaving an autocast region inside a graph (torch/_dynamo/variables/ctx_manager.py).
 AUTOCAST_CALLS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
 
-_before_run: dict = {}  # each setting as the run found it, put back by restore_settings()
+_undo = contextlib.ExitStack()  # puts each setting back as the run found it, at restore_settings()
 
 
 def compiled_run_settings(device: torch.device, cache_root: Path) -> None:
     """The process-wide settings of a compiled run (see the module's docstring), set before anything compiles."""
-    _before_run["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(cache_root)
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    _before_run["specialize_float"] = dynamo_config.specialize_float
-    dynamo_config.specialize_float = True
-    _before_run["cacheable"] = dict(inductor_config.unsafe_marked_cacheable_functions)
-    inductor_config.unsafe_marked_cacheable_functions = {
-        **inductor_config.unsafe_marked_cacheable_functions, **{name: torch.__version__ for name in AUTOCAST_CALLS}}
+    _undo.callback(_set_env, "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir(cache_root)
+    cacheable = {**inductor_config.unsafe_marked_cacheable_functions,
+                 **{name: torch.__version__ for name in AUTOCAST_CALLS}}
+    _undo.enter_context(dynamo_config.patch(specialize_float=True))
+    _undo.enter_context(inductor_config.patch(unsafe_marked_cacheable_functions=cacheable))
     if device.type == "cpu":
-        _chunked_sum_without_guard(True)
-        _before_run["fallback_random"] = inductor_config.fallback_random
-        inductor_config.fallback_random = True
+        _undo.enter_context(inductor_config.patch(fallback_random=True))
+        _chunked_sum_without_guard()
 
 
 def restore_settings() -> None:
     """The settings as `compiled_run_settings` found them (nothing if it did not run)."""
-    if "cacheable" in _before_run:
-        import torch._dynamo.config as dynamo_config
-        import torch._inductor.config as inductor_config
+    _undo.close()
 
-        dynamo_config.specialize_float = _before_run.pop("specialize_float")
-        inductor_config.unsafe_marked_cacheable_functions = _before_run.pop("cacheable")
-        _chunked_sum_without_guard(False)
-        if "fallback_random" in _before_run:
-            inductor_config.fallback_random = _before_run.pop("fallback_random")
-    if "TORCHINDUCTOR_CACHE_DIR" in _before_run:
-        previous = _before_run.pop("TORCHINDUCTOR_CACHE_DIR")
-        if previous is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def compile_cache_dir(cache_root: Path) -> str:
@@ -278,26 +265,23 @@ def check_compile_cache(cache_root: Path) -> None:
                          f"your own, or choose another --cache-dir")
 
 
-def _chunked_sum_without_guard(on: bool) -> None:
+def _chunked_sum_without_guard() -> None:
     """Inductor's CPU kernels: a float32 sum of a size known only at run time uses the chunked
-    summation, without guarding on the size (on), or Inductor's own rule again (off)."""
+    summation, without guarding on the size, until restore_settings() puts Inductor's own rule back."""
     try:
         from torch._inductor.codegen.cpp import CppKernel
         from torch._inductor.virtualized import V
     except ImportError:  # pragma: no cover - another torch's layout: its own rule stays
         return
-    own = getattr(CppKernel.need_use_acc_helper, "inductors_own", CppKernel.need_use_acc_helper)
-    if not on:
-        CppKernel.need_use_acc_helper = own
-        return
+    own = CppKernel.need_use_acc_helper
 
     def need_use_acc_helper(self, reduction_type, dtype, use_scalar):
         if reduction_type == "sum" and dtype == torch.float and getattr(self, "call_ranges", None) is not None:
-            size = functools.reduce(operator.mul, self.call_ranges[self.reduction_depth:])
+            size = math.prod(self.call_ranges[self.reduction_depth:])
             sizes = V.graph.sizevars
             if not (sizes.statically_known_leq(size, CHUNK) or sizes.statically_known_gt(size, CHUNK)):
                 return True
         return own(self, reduction_type, dtype, use_scalar)
 
-    need_use_acc_helper.inductors_own = own
     CppKernel.need_use_acc_helper = need_use_acc_helper
+    _undo.callback(setattr, CppKernel, "need_use_acc_helper", own)

@@ -24,8 +24,6 @@ measured (1.15-1.37x on an AVX2 EPYC in fp32, 1.14-1.28x on an AVX512-BF16 EPYC 
 fastpt has no such kernel.
 """
 
-from __future__ import annotations
-
 import functools
 import inspect
 
@@ -43,15 +41,15 @@ KERNELS = ("varlen", "loop", "mask")
 # Tokens after cu_seqlens[-1] (rounding) are one more segment in every kernel: they attend among
 # themselves, no review sees them, and nothing reads their outputs (so their gradients are zero).
 
-def _segment_edges(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
-    """Review boundaries on the host, plus the rounding tail as one more segment if there is one."""
+def _segment_sizes(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    """Review lengths on the host, plus the rounding tail as one more segment if there is one."""
     edges = cu_seqlens.tolist()  # the host read of the "loop" kernel
-    return edges + [num_tokens] if edges[-1] < num_tokens else edges
+    edges += [num_tokens] if edges[-1] < num_tokens else []
+    return [e - s for s, e in zip(edges[:-1], edges[1:])]
 
 
 def _attend_each_review(query, key, value, cu_seqlens, scaling):
-    edges = _segment_edges(cu_seqlens, query.shape[2])
-    sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+    sizes = _segment_sizes(cu_seqlens, query.shape[2])
     # split, not slicing: the backward of B slices would write B full-size zero tensors and add
     # them up; split's backward is one concatenation.
     out = [F.scaled_dot_product_attention(q, k, v, scale=scaling)
@@ -72,16 +70,11 @@ CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _split(x: torch.Tensor, sizes: list) -> tuple:
-    return x.split(sizes, dim=2)
-
-
 def _flash_each_review(query, key, value, cu_seqlens, scaling):
     """(output [1, T, H, d], log-sum-exp [1, H, T] float32): the CPU flash kernel on each review."""
-    edges = _segment_edges(cu_seqlens, query.shape[2])
-    sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+    sizes = _segment_sizes(cu_seqlens, query.shape[2])
     outs, lses = zip(*(CPU_FLASH(q, k, v, 0.0, False, scale=scaling)
-                       for q, k, v in zip(*(_split(x, sizes) for x in (query, key, value)))))
+                       for q, k, v in zip(*(x.split(sizes, dim=2) for x in (query, key, value)))))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), torch.cat(lses, dim=2)
 
 
@@ -106,9 +99,8 @@ def attend_each_review_backward(grad: torch.Tensor, query: torch.Tensor, key: to
                                 cu_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                 scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if lse.numel():  # the CPU: the flash backward per review, from the forward's output and log-sum-exp
-        edges = _segment_edges(cu_seqlens, query.shape[2])
-        sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
-        parts = zip(*(_split(x, sizes) for x in (grad.transpose(1, 2), query, key, value, out.transpose(1, 2))),
+        sizes = _segment_sizes(cu_seqlens, query.shape[2])
+        parts = zip(*(x.split(sizes, dim=2) for x in (grad.transpose(1, 2), query, key, value, out.transpose(1, 2))),
                     lse.split(sizes, dim=2))
         grads = zip(*(CPU_FLASH_BACKWARD(g, q, k, v, o, m, 0.0, False, scale=scaling) for g, q, k, v, o, m in parts))
         return tuple(torch.cat(g, dim=2).contiguous() for g in grads)
@@ -167,24 +159,17 @@ def _varlen_attention(query, key, value, cu_seqlens, max_seqlen, scaling):
     cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), q.shape[0])])
     # Positional arguments only: torch 2.10 has `is_causal` as the 8th, later versions keyword-only
     # options; the default scale (head_dim ** -0.5) is the one BERT and DistilBERT use.
-    if "scale" in _VARLEN_OPTIONS:
-        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling)
-    elif scaling is None or abs(scaling - q.shape[-1] ** -0.5) < 1e-12:
-        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-    else:
+    options = {"scale": scaling} if "scale" in _VARLEN_OPTIONS else {}
+    if not options and scaling is not None and abs(scaling - q.shape[-1] ** -0.5) >= 1e-12:
         raise ValueError("this torch's varlen_attn has no scale argument and the model's scale is not 1/sqrt(d)")
-    return out[None]
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)[None]
 
 
-def _varlen_options() -> frozenset:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return frozenset()
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-_VARLEN_OPTIONS = _varlen_options()
+try:  # the parameters of this torch's varlen_attn, none before PyTorch 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    _VARLEN_OPTIONS = frozenset(inspect.signature(_varlen_attn).parameters)
+except ImportError:
+    _VARLEN_OPTIONS = frozenset()
 KERNEL_FUNCTIONS = {"varlen": _varlen_attention, "loop": _loop_attention, "mask": _mask_attention}
 
 
@@ -221,8 +206,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    out = KERNEL_FUNCTIONS[packed_kernel](query, key, value, cu_seqlens, max_seqlen, scaling)
-    return out, None
+    return KERNEL_FUNCTIONS[packed_kernel](query, key, value, cu_seqlens, max_seqlen, scaling), None
 
 
 def apply_packed_attention(model: nn.Module, float32: bool = False) -> nn.Module:

@@ -35,8 +35,6 @@ Lightning has no flag for this. In Hugging Face it is `DataCollatorWithFlattenin
 training: one row, `position_ids` restarting per example) with a flash-attention implementation.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -65,26 +63,24 @@ class PackedCollator:
         self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
 
     def __call__(self, items) -> dict:
-        lengths = np.array([len(tokens) for tokens, _, _ in items], dtype=np.int64)
+        tokens, labels, weights = zip(*items)
+        lengths = np.array([len(review) for review in tokens], dtype=np.int64)
         if (lengths == 0).any():
             raise ValueError("an empty review cannot be packed: it has no first token to classify")
         if self.max_length is not None and lengths.max() > self.max_length:
             raise ValueError(f"a review of {lengths.max()} tokens exceeds max_length {self.max_length}")
         cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
         num_real_tokens = int(cu_seqlens[-1])
-        num_tokens = num_real_tokens
-        if self.multiple:
-            num_tokens = -(-num_real_tokens // self.multiple) * self.multiple
-        input_ids = np.full(num_tokens, self.pad_id, dtype=np.int64)
-        input_ids[:num_real_tokens] = np.concatenate([tokens for tokens, _, _ in items])
-        position_ids = np.zeros(num_tokens, dtype=np.int64)  # rounding tokens sit at position 0
-        position_ids[:num_real_tokens] = np.arange(num_real_tokens) - np.repeat(cu_seqlens[:-1], lengths)
+        num_tokens = -(-num_real_tokens // self.multiple) * self.multiple if self.multiple else num_real_tokens
+        tail = (0, num_tokens - num_real_tokens)  # the rounding tokens: pad_id, each at position 0
+        input_ids = np.pad(np.concatenate(tokens).astype(np.int64), tail, constant_values=self.pad_id)
+        position_ids = np.pad(np.arange(num_real_tokens) - np.repeat(cu_seqlens[:-1], lengths), tail)
         return {
             "input_ids": torch.from_numpy(input_ids)[None],
             "position_ids": torch.from_numpy(position_ids)[None],
             "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
-            "labels": torch.tensor([label for _, label, _ in items], dtype=torch.long),
-            "weight": torch.tensor([weight for _, _, weight in items], dtype=torch.float32),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "weight": torch.tensor(weights, dtype=torch.float32),
             "lengths": lengths.tolist(),  # Python ints, for the throughput meter: no tensor read
             "num_tokens": num_tokens,
         }
