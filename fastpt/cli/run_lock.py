@@ -46,7 +46,6 @@ class RunFolderLock:
                 except BlockingIOError:
                     holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
                     os.close(fd)
-                    self.release(keep=False)
                     raise ValueError(f"--out {self.out} is in use by another run (process {holder}); "
                                      f"wait for it or choose another folder") from None
                 if self.path.exists() and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
