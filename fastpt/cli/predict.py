@@ -32,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from fastpt.cli.args import DefaultsFormatter, OneLineParser
-from fastpt.cli.predictions import output_format
+from fastpt.cli.predictions import output_format, preview, write_predictions
 from fastpt.cli.run_folder import MARKER
 from fastpt.cli.shell import exit_process, quiet_libraries
 from fastpt.errors import CheckpointError, DataError, DiskFull, ModelError, one_line
@@ -159,7 +159,6 @@ def read_texts(args, run: dict, names: list):
 def run(args, dist) -> None:
     import torch
 
-    from fastpt.cli.predictions import preview, write_predictions
     from fastpt.loop.build import check_model_fits, needs_token_types
     from fastpt.loop.evaluation import macro_f1
     from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,

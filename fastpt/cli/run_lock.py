@@ -12,8 +12,7 @@ def check_owner(path: Path, what: str, advice: str = "choose another --out") -> 
     """ValueError unless path passes the owner rule (files/trust.py): the line says how to proceed."""
     from fastpt.files import trust
 
-    refused = trust.refusal(path, what, advice)
-    if refused:
+    if refused := trust.refusal(path, what, advice):
         raise ValueError(refused)
 
 

@@ -44,9 +44,7 @@ import time
 from pathlib import Path
 
 from fastpt.cli.args import parse_args
-# cpu_has_native_bfloat16: scripts/bench_predict.py reads it from here
-from fastpt.cli.preflight import (check_device_support, check_environment, cpu_has_native_bfloat16,  # noqa: F401
-                                  notes, resolve_config)
+from fastpt.cli.preflight import check_device_support, check_environment, notes, resolve_config
 from fastpt.cli import run_folder
 from fastpt.config import TrainConfig
 from fastpt.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
