@@ -152,7 +152,6 @@ def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
         config.fastpt_data_label_names = inputs.data_label_names
     model = AutoModelForSequenceClassification.from_config(config)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    out = Path(export_dir)
 
     # save_pretrained unwraps the model through accelerate, which imports DeepSpeed wherever it is
     # installed; DeepSpeed then guesses its accelerator and warns when it settles for the CPU.
@@ -168,5 +167,5 @@ def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
         finally:
             tokenizer.model_max_length = trained_on
 
-    checkpoint.write_export(out, save)  # over an earlier export: only the files its manifest lists go
-    tracker.print(f"exported: {out} (transformers.pipeline('text-classification', model=..., truncation=True))")
+    checkpoint.write_export(Path(export_dir), save)  # over an earlier export: only the files its manifest lists go
+    tracker.print(f"exported: {export_dir} (transformers.pipeline('text-classification', model=..., truncation=True))")

@@ -77,7 +77,9 @@ def _fastpt_writes(relative: tuple[str, ...], is_dir: bool) -> bool:
 
     top, name = relative[0], relative[-1]
     if len(relative) == 1:
-        return top in ("checkpoints", "tb") if is_dir else top in TOP_FILES or temporary_of(top) in (*TOP_FILES, MARKER)
+        if is_dir:
+            return top in ("checkpoints", "tb")
+        return top in TOP_FILES or temporary_of(top) in (*TOP_FILES, MARKER)
     if top == "checkpoints":  # DeepSpeed's own layout below deepspeed/; best.pt, last.pt and their temporaries
         return relative[1] == "deepspeed" or (len(relative) == 2 and not is_dir
                                               and (temporary_of(name) or name) in ("best.pt", "last.pt"))

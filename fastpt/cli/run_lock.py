@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from pathlib import Path
+
+from fastpt.files import trust
 
 LOCK_NAME = ".lock"
 
 
 def check_owner(path: Path, what: str, advice: str = "choose another --out") -> None:
     """ValueError unless path passes the owner rule (files/trust.py): the line says how to proceed."""
-    from fastpt.files import trust
-
     if refused := trust.refusal(path, what, advice):
         raise ValueError(refused)
 
@@ -29,10 +31,6 @@ class RunFolderLock:
         self.created = [p for p in (out, *out.parents) if not p.exists()]
 
     def acquire(self) -> "RunFolderLock":
-        import fcntl
-
-        from fastpt.files import trust
-
         try:
             if self.new:
                 self._make_new_folder()
@@ -65,10 +63,6 @@ class RunFolderLock:
         """`.lock`, opened (created if missing) never through a symbolic link and only if it is a regular file
         of this user's: its pid is written into it, so a link planted there would have that written over
         another file."""
-        import errno
-
-        from fastpt.files import trust
-
         try:
             fd = trust.open_regular(self.path, os.O_RDWR | os.O_CREAT, trust.file_mode(self.path))
         except OSError as e:
@@ -87,8 +81,6 @@ class RunFolderLock:
     def _make_new_folder(self) -> None:
         """out, or out-2, out-3, ...: the first that does not exist yet. mkdir is atomic, so runs
         started in the same second (the default folder's name) each get a folder of their own."""
-        from fastpt.files import trust
-
         self.out.parent.mkdir(parents=True, exist_ok=True)
         base, n = self.out, 1
         while True:
