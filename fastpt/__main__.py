@@ -10,15 +10,11 @@ import sys
 from pathlib import Path
 
 
-def train_py() -> Path:
-    package = Path(__file__).resolve().parent
-    installed = package / "start" / "train.py"
-    return installed if installed.exists() else package.parent / "train.py"
-
-
 def cli() -> None:
     """train.py's command line, wherever the install put train.py."""
-    spec = importlib.util.spec_from_file_location("train", train_py())
+    package = Path(__file__).resolve().parent
+    path = package / "start" / "train.py"
+    spec = importlib.util.spec_from_file_location("train", path if path.exists() else package.parent / "train.py")
     train = importlib.util.module_from_spec(spec)
     sys.modules["train"] = train
     spec.loader.exec_module(train)

@@ -139,7 +139,7 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    from fastpt.cli.shell import cpu_has_native_bfloat16
+    from fastpt.cli.preflight import cpu_has_native_bfloat16
 
     texts = imdb_texts(args.data_dir, args.n)
     header = (f"{len(texts)} IMDB test reviews, --max-length {args.max_length}, model {args.model}"

@@ -251,7 +251,7 @@ def test_native_bfloat16_is_decided_by_the_cpu_capability(monkeypatch, capabilit
     """Either answer on any machine: the capability is forced, not read from the CPU the suite runs on."""
     import torch
 
-    from fastpt.cli.shell import cpu_has_native_bfloat16
+    from fastpt.cli.preflight import cpu_has_native_bfloat16
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)

@@ -8,11 +8,14 @@ checkpoints (best.pt, last.pt) are a lesson of their own, on the learner's side:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+from fastpt.cli.predictions import preview, write_predictions as write_file
 from fastpt.inputs import data, own_data, token_cache
+from fastpt.inputs.models import label_config
 from fastpt.loop.build import saved_config
 from fastpt.loop.evaluation import f1_by_class, per_class
 from fastpt.loop.record import RunRecord
@@ -24,10 +27,8 @@ from fastpt.errors import DataError
 
 def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, inputs, loaders, test: dict) -> dict:
     """results.json (and the console's last line, TensorBoard's test scalars and HPARAMS)."""
-    clocks, step = bookkeeping.clocks, bookkeeping.position.global_step
+    clocks, step, history = bookkeeping.clocks, bookkeeping.position.global_step, record.history
     compile_s = clocks.compile_clock.seconds
-    stopped_early = record.early_stopping.stopped
-    history = record.history
     results = {
         "test_acc": test["acc"], "test_loss": test["loss"], "test_examples": test["n"], "tested_on": record.tested_on,
         "train_examples": len(inputs.splits["train"]),
@@ -43,8 +44,8 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         "test_confusion": test["confusion"],
         "best_monitor": record.best.best, "monitor": cfg.monitor, "best_epoch": record.best.best_epoch,
         "epochs_run": len(history), "global_steps": step,
-        "stopped_early": stopped_early,
-        "stop_reason": record.early_stopping.reason if stopped_early else "",
+        "stopped_early": record.early_stopping.stopped,
+        "stop_reason": record.early_stopping.reason if record.early_stopping.stopped else "",
         "train_time_s": clocks.train_time_s,  # training + validation, compilation included (the article's)
         "compile_time_s": compile_s if cfg.compile else None,
         "train_time_no_compile_s": clocks.train_time_s - compile_s,
@@ -102,8 +103,6 @@ def write_predictions(out_dir: Path, cfg, dist, inputs, test: dict, tracker) -> 
     (the file was changed since), the rows say only their place in the split."""
     if not dist.is_main:
         return
-    from fastpt.cli.predictions import preview, write_predictions as write
-
     per_example, names = test["per_example"], inputs.label_names
     gold = [names[i] for i in inputs.splits["test"].labels]
     try:
@@ -111,10 +110,8 @@ def write_predictions(out_dir: Path, cfg, dist, inputs, test: dict, tracker) -> 
     except DataError as e:
         leading = {"test_row": list(range(len(gold)))}
         tracker.print(f"note: predictions.csv names each example by its place in the test split only: {e}")
-    if "text" in leading:
-        leading["text"] = [preview(t) for t in leading["text"]]
     leading["label"] = gold
-    write(out_dir / "predictions.csv", leading, names, per_example["predicted"], per_example["probabilities"])
+    write_file(out_dir / "predictions.csv", leading, names, per_example["predicted"], per_example["probabilities"])
 
 
 def test_rows(cfg, inputs, gold: list) -> dict:
@@ -127,7 +124,7 @@ def test_rows(cfg, inputs, gold: list) -> dict:
         named = dict(zip(inputs.data_label_names or inputs.label_names, inputs.label_names))  # --label-names
         read = [named.get(label, label) for label in
                 (str(table.label_names[v]) if table.label_names else str(v) for v in labels)]
-        where = {"row": table.row_numbers()[:n], "text": table.columns[table.use["text"]][:n]}
+        where = {"row": table.row_numbers()[:n], "text": [preview(t) for t in table.columns[table.use["text"]][:n]]}
     else:
         keys = token_cache.split_keys(inputs.cache_path)["test"][:n]
         read = [inputs.label_names[int(key.split("/")[1] == "pos")] for key in keys]
@@ -144,23 +141,17 @@ def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
     The tokenizer's `model_max_length` is the --max-length trained on, so `pipeline(...,
     truncation=True)` cuts a long text where training did (not at the checkpoint's 512 or 128).
     """
-    import os
-
     from transformers import AutoModelForSequenceClassification
-
-    from fastpt.inputs.models import label_config
 
     state = strategy.model_state_dict()  # a collective where the model is sharded
     if not dist.is_main:
         return
     config = inputs.model_config
-    labels = label_config(inputs.label_names)
-    config.id2label, config.label2id = labels["id2label"], labels["label2id"]
+    config.update(label_config(inputs.label_names))  # num_labels, id2label, label2id
     if inputs.data_label_names:  # fastpt-predict reads a file labelled like the training data with them
         config.fastpt_data_label_names = inputs.data_label_names
     model = AutoModelForSequenceClassification.from_config(config)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    out = Path(export_dir)
 
     # save_pretrained unwraps the model through accelerate, which imports DeepSpeed wherever it is
     # installed; DeepSpeed then guesses its accelerator and warns when it settles for the CPU.
@@ -176,5 +167,5 @@ def export(export_dir: str, dist, strategy, inputs, tracker) -> None:
         finally:
             tokenizer.model_max_length = trained_on
 
-    checkpoint.write_export(out, save)  # over an earlier export: only the files its manifest lists go
-    tracker.print(f"exported: {out} (transformers.pipeline('text-classification', model=..., truncation=True))")
+    checkpoint.write_export(Path(export_dir), save)  # over an earlier export: only the files its manifest lists go
+    tracker.print(f"exported: {export_dir} (transformers.pipeline('text-classification', model=..., truncation=True))")

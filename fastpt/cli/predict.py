@@ -25,14 +25,16 @@ transformers' own reports and progress bars show with --verbose.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 from fastpt.cli.args import DefaultsFormatter, OneLineParser
-from fastpt.cli.predictions import output_format
+from fastpt.cli.predictions import output_format, preview, write_predictions
 from fastpt.cli.run_folder import MARKER
+from fastpt.cli.shell import exit_process, quiet_libraries
 from fastpt.errors import CheckpointError, DataError, DiskFull, ModelError, one_line
 
 
@@ -67,22 +69,21 @@ def check_paths(args) -> None:
     """What needs no model and no data: the output's type, an existing output, the input file, the folder."""
     out, data, model = Path(args.out), Path(args.data), Path(args.model)
     output_format(out)
-    if args.batch_size < 1 or (args.max_length is not None and args.max_length < 2):
-        raise ValueError("--batch-size must be at least 1 and --max-length at least 2")
-    if args.pack_tokens is not None and (not args.pack or args.pack_tokens < 1):
-        raise ValueError("--pack-tokens needs --pack and a positive number of tokens")
-    if not data.is_file():
-        raise DataError(f"--data {data}: no such file")
-    if out.is_dir():  # --overwrite replaces a file, never a folder
-        raise ValueError(f"--out {out} is a folder; name the predictions' file (.csv or .jsonl)")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out {out}: no folder {out.parent}; create it first")
-    if out.exists() and data.resolve() == out.resolve():
-        raise ValueError(f"--out {out} is the --data file; write the predictions elsewhere")
-    if out.exists() and not args.overwrite:
-        raise ValueError(f"--out {out} exists; pass --overwrite to replace it")
-    if not model.is_dir():
-        raise ModelError(f"--model {model}: no such folder")
+    for failed, error, message in (
+            (args.batch_size < 1 or (args.max_length is not None and args.max_length < 2), ValueError,
+             "--batch-size must be at least 1 and --max-length at least 2"),
+            (args.pack_tokens is not None and (not args.pack or args.pack_tokens < 1), ValueError,
+             "--pack-tokens needs --pack and a positive number of tokens"),
+            (not data.is_file(), DataError, f"--data {data}: no such file"),
+            # --overwrite replaces a file, never a folder
+            (out.is_dir(), ValueError, f"--out {out} is a folder; name the predictions' file (.csv or .jsonl)"),
+            (not out.parent.is_dir(), ValueError, f"--out {out}: no folder {out.parent}; create it first"),
+            (out.exists() and data.resolve() == out.resolve(), ValueError,
+             f"--out {out} is the --data file; write the predictions elsewhere"),
+            (out.exists() and not args.overwrite, ValueError, f"--out {out} exists; pass --overwrite to replace it"),
+            (not model.is_dir(), ModelError, f"--model {model}: no such folder")):
+        if failed:
+            raise error(message)
 
 
 def load_trained(folder: Path, which: str | None):
@@ -92,12 +93,11 @@ def load_trained(folder: Path, which: str | None):
     checkpoints = folder / "checkpoints"
     if (folder / MARKER).is_file() or checkpoints.is_dir():  # a run folder
         candidates = [which] if which else ["best", "last"]
-        path = next((checkpoints / f"{name}.pt" for name in candidates if (checkpoints / f"{name}.pt").is_file()),
-                    None)
-        if path is None:
+        found = [checkpoints / f"{name}.pt" for name in candidates if (checkpoints / f"{name}.pt").is_file()]
+        if not found:
             raise ModelError(f"--model {folder} is a run folder without checkpoints/{' or '.join(candidates)}.pt")
         from fastpt.files import checkpoint
-        state = checkpoint.load(path)  # weights_only
+        state = checkpoint.load(path := found[0])  # weights_only
         training = state.get("training")
         weights = state.get("model") or (training.get("model") if isinstance(training, dict) else None)
         if not isinstance(weights, dict) or not isinstance(state.get("config"), dict):
@@ -159,7 +159,6 @@ def read_texts(args, run: dict, names: list):
 def run(args, dist) -> None:
     import torch
 
-    from fastpt.cli.predictions import preview, write_predictions
     from fastpt.loop.build import check_model_fits, needs_token_types
     from fastpt.loop.evaluation import macro_f1
     from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,
@@ -208,11 +207,10 @@ def run(args, dist) -> None:
     if line := attention_precision.describe(precision):  # measured: the choice and both times
         print(line)
     if gold is not None:
-        k = len(names)
-        confusion = [[0] * k for _ in range(k)]
+        confusion = [[0] * len(names) for _ in names]
         for truth, guess in zip(gold, out["predicted"]):
             confusion[truth][int(guess)] += 1
-        correct = sum(confusion[i][i] for i in range(k))
+        correct = sum(row[i] for i, row in enumerate(confusion))
         print(f"evaluation: accuracy {correct / len(gold):.4f} macro-F1 {macro_f1(confusion):.4f} "
               f"on {len(gold)} labelled texts")
     print(f"wrote: {args.out}")
@@ -220,14 +218,10 @@ def run(args, dist) -> None:
 
 def main(argv=None) -> int:
     """The command; returns its exit status: 0 done, 2 bad input (one line, nothing written), 1 a full disk."""
-    import os
-
-    is_main = os.environ.get("RANK", "0") == "0"
     dist = None
     try:
         args = build_parser().parse_args(argv)
         check_paths(args)
-        from fastpt.cli.shell import quiet_libraries
         quiet_libraries(args.verbose)
         from fastpt.cluster import distributed
         dist = distributed.init(args.device)
@@ -236,7 +230,7 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse: --help (0), or a bad flag (2, its line printed)
         return e.code if isinstance(e.code, int) else 2
     except (ValueError, DataError, ModelError, CheckpointError) as e:
-        if is_main:
+        if os.environ.get("RANK", "0") == "0":
             print(f"error: {one_line(e)}", file=sys.stderr)
         return 1 if isinstance(e, DiskFull) else 2
     finally:
@@ -247,7 +241,6 @@ def main(argv=None) -> int:
 
 def cli() -> None:
     """The `fastpt-predict` command and `python -m fastpt.cli.predict`."""
-    from fastpt.cli.shell import exit_process
     exit_process(main())
 
 

@@ -52,6 +52,5 @@ def write_predictions(path: Path, leading: dict, label_names: list, predicted, p
     if output_format(path) == "csv":
         csv.writer(text, lineterminator="\n").writerows([names, *rows])
     else:
-        for row in rows:
-            text.write(json.dumps(dict(zip(names, row)), ensure_ascii=False) + "\n")
+        text.writelines(json.dumps(dict(zip(names, row)), ensure_ascii=False) + "\n" for row in rows)
     write_atomic(Path(path), lambda f: f.write(text.getvalue().encode()))

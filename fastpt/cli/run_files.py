@@ -22,11 +22,8 @@ def remove_stale_temporaries(out: Path) -> None:
     is writing them. Only regular files named after a file fastpt writes there are removed."""
     from fastpt.files.checkpoint import temporary_of
 
-    written_by_fastpt = {out: (*TOP_FILES, MARKER), out / "checkpoints": ("best.pt", "last.pt")}
-    for folder, names in written_by_fastpt.items():
-        if not folder.is_dir():
-            continue
-        for path in folder.iterdir():
+    for folder, names in ((out, (*TOP_FILES, MARKER)), (out / "checkpoints", ("best.pt", "last.pt"))):
+        for path in folder.glob(".*.tmp"):  # none where the folder is missing
             if temporary_of(path.name) in names and path.is_file() and not path.is_symlink():
                 path.unlink(missing_ok=True)
 
@@ -83,11 +80,7 @@ def _fastpt_writes(relative: tuple[str, ...], is_dir: bool) -> bool:
         if is_dir:
             return top in ("checkpoints", "tb")
         return top in TOP_FILES or temporary_of(top) in (*TOP_FILES, MARKER)
-    if top == "checkpoints":
-        if relative[1] == "deepspeed":
-            return True
-        return len(relative) == 2 and not is_dir and (name in ("best.pt", "last.pt")
-                                                      or temporary_of(name) in ("best.pt", "last.pt"))
-    if top == "tb":
-        return is_dir or TB_EVENTS.fullmatch(name) is not None
-    return False
+    if top == "checkpoints":  # DeepSpeed's own layout below deepspeed/; best.pt, last.pt and their temporaries
+        return relative[1] == "deepspeed" or (len(relative) == 2 and not is_dir
+                                              and (temporary_of(name) or name) in ("best.pt", "last.pt"))
+    return top == "tb" and (is_dir or TB_EVENTS.fullmatch(name) is not None)

@@ -26,6 +26,7 @@ is fastpt's by its manifest (`checkpoint.write_export`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -118,11 +119,6 @@ def check_out_link(out: Path, overwrite: bool) -> None:
                          f"link points to: give the run folder itself, or choose another --out")
 
 
-def is_default_out(cfg: TrainConfig) -> bool:
-    """Whether choose_out named the folder (runs/<time>) rather than --out or --resume."""
-    return not cfg.out and cfg.resume is None
-
-
 def claim_out_dir(out: Path, dist, new: bool = False) -> tuple[Path, RunFolderLock | None]:
     """Rank 0 locks the run folder (with `new`, one it creates: out, or out-2, ...) and removes the
     temporaries a killed run left; every rank gets the folder, or its error, so all stop together."""
@@ -133,13 +129,17 @@ def claim_out_dir(out: Path, dist, new: bool = False) -> tuple[Path, RunFolderLo
         try:
             lock = RunFolderLock(out, new=new).acquire()
             remove_stale_temporaries(lock.out)
-            outcome = ("ok", str(lock.out))
+            outcome = lock.out
         except ValueError as e:
-            outcome = ("error", str(e))
-    status, value = distributed.broadcast_object(outcome)
-    if status == "error":
-        raise ValueError(value)
-    return Path(value), lock
+            outcome = e
+    return raised_everywhere(distributed.broadcast_object(outcome)), lock
+
+
+def raised_everywhere(outcome):
+    """Rank 0's outcome, broadcast: its error is raised on every rank, so all stop with the same line."""
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
@@ -153,22 +153,15 @@ def plan_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     from fastpt.cluster import distributed
     from fastpt.errors import CheckpointError
 
-    if dist.world_size == 1:
-        return read_out_dir(cfg, dist, out)
     plan, outcome = OutPlan(out), None
     if dist.is_main:
         try:
             plan = read_out_dir(cfg, dist, out)
-            outcome = ("plan", plan.to_clear, plan.data_key)
+            outcome = plan.to_clear, plan.data_key
         except (ValueError, CheckpointError, RunFinished) as e:
-            distributed.broadcast_object(("error", type(e).__name__, str(e)))
-            raise
-    kind, *detail = distributed.broadcast_object(outcome)
-    if kind == "error":
-        name, message = detail
-        raise {"ValueError": ValueError, "CheckpointError": CheckpointError, "RunFinished": RunFinished}[name](message)
-    return OutPlan(out, resume_state=distributed.broadcast_state(plan.resume_state), to_clear=detail[0],
-                   data_key=detail[1])
+            outcome = e
+    to_clear, data_key = raised_everywhere(distributed.broadcast_object(outcome))
+    return OutPlan(out, distributed.broadcast_state(plan.resume_state), to_clear, data_key)
 
 
 def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
@@ -183,10 +176,10 @@ def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
     """
     from fastpt.files.checkpoint import load as load_checkpoint
 
-    finished = finished_run(out, cfg.overwrite)
+    finished, saved, last = finished_run(out, cfg.overwrite), saved_config(out), out / "checkpoints" / "last.pt"
     resume_path = Path(cfg.resume) if cfg.resume not in (None, "auto") else None
-    if cfg.resume == "auto" and (out / "checkpoints" / "last.pt").is_file():
-        resume_path = out / "checkpoints" / "last.pt"
+    if cfg.resume == "auto" and last.is_file():
+        resume_path = last
     if resume_path is not None:
         if not resume_path.is_file():
             raise ValueError(f"--resume {cfg.resume}: no such checkpoint file")
@@ -199,25 +192,23 @@ def read_out_dir(cfg: TrainConfig, dist, out: Path) -> OutPlan:
         if finished and not cfg.overwrite and nothing_left(cfg, state):
             raise RunFinished(f"the run in {out} is finished (results.json); nothing to do "
                               f"(--overwrite without --resume trains it again)")
-        saved = saved_config(out)
         return OutPlan(out, resume_state=state, data_key=(saved or {}).get("data_key"))
     existing = [name for name in RUN_FILES if os.path.lexists(out / name)]
     if not existing:
         return OutPlan(out)
     restart = cfg.resume == "auto" and not finished and not cfg.overwrite  # this run, killed before last.pt
     if restart:
-        _check_same_run(cfg, out, dist.world_size)
+        _check_same_run(cfg, out, saved, dist.world_size)
     to_clear = removable(out)
     if not cfg.overwrite and not restart:
-        what = "a finished run" if finished else f"another run ({', '.join(existing)})"
         if finished:  # nothing to continue, unless its last.pt is asked for more epochs
-            more = (", --resume auto with a larger --epochs to train it further"
-                    if not cfg.resume and (out / "checkpoints" / "last.pt").is_file() else "")
+            what, more = "a finished run", (", --resume auto with a larger --epochs to train it further"
+                                            if not cfg.resume and last.is_file() else "")
         else:
-            more = "" if cfg.resume else ", --resume auto to continue it"
+            what, more = f"another run ({', '.join(existing)})", "" if cfg.resume else ", --resume auto to continue it"
         raise ValueError(f"--out {out} holds {what}; pass --overwrite to replace it{more}, "
                          f"or choose another folder")
-    return OutPlan(out, to_clear=to_clear, data_key=saved_config(out).get("data_key") if restart else None)
+    return OutPlan(out, to_clear=to_clear, data_key=saved.get("data_key") if restart else None)
 
 
 def finished_run(out: Path, overwrite: bool) -> bool:
@@ -242,9 +233,8 @@ def finished_run(out: Path, overwrite: bool) -> bool:
     return True
 
 
-def _check_same_run(cfg: TrainConfig, out: Path, world_size: int) -> None:
-    """--resume auto over a folder with no checkpoint: start again only if it is this run."""
-    saved = saved_config(out)
+def _check_same_run(cfg: TrainConfig, out: Path, saved: dict | None, world_size: int) -> None:
+    """--resume auto over a folder with no checkpoint (its config.json: `saved`): start again only if it is this run."""
     if saved is None:
         what = "pass --overwrite to replace it" if (out / MARKER).is_file() else "choose another folder"
         raise ValueError(f"--out {out} holds files of a run without a readable config.json (a JSON object) and "
@@ -270,10 +260,8 @@ def start_out_dir(plan: OutPlan, config: dict, dist, data_key: str | None = None
         for name in plan.to_clear:
             path = plan.out / name
             if path.is_dir() and not path.is_symlink():
-                try:
+                with contextlib.suppress(OSError):  # holds something written since it was checked: kept
                     path.rmdir()
-                except OSError:
-                    pass  # holds something written since it was checked: kept
             else:
                 path.unlink(missing_ok=True)
         write_json_atomic(plan.out / "config.json", {**config, "world_size": dist.world_size,

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from pathlib import Path
+
+from fastpt.files import trust
 
 LOCK_NAME = ".lock"
 
 
 def check_owner(path: Path, what: str, advice: str = "choose another --out") -> None:
     """ValueError unless path passes the owner rule (files/trust.py): the line says how to proceed."""
-    from fastpt.files import trust
-
-    refused = trust.refusal(path, what, advice)
-    if refused:
+    if refused := trust.refusal(path, what, advice):
         raise ValueError(refused)
 
 
@@ -30,10 +31,6 @@ class RunFolderLock:
         self.created = [p for p in (out, *out.parents) if not p.exists()]
 
     def acquire(self) -> "RunFolderLock":
-        import fcntl
-
-        from fastpt.files import trust
-
         try:
             if self.new:
                 self._make_new_folder()
@@ -46,7 +43,6 @@ class RunFolderLock:
                 except BlockingIOError:
                     holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
                     os.close(fd)
-                    self.release(keep=False)
                     raise ValueError(f"--out {self.out} is in use by another run (process {holder}); "
                                      f"wait for it or choose another folder") from None
                 if self.path.exists() and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
@@ -67,10 +63,6 @@ class RunFolderLock:
         """`.lock`, opened (created if missing) never through a symbolic link and only if it is a regular file
         of this user's: its pid is written into it, so a link planted there would have that written over
         another file."""
-        import errno
-
-        from fastpt.files import trust
-
         try:
             fd = trust.open_regular(self.path, os.O_RDWR | os.O_CREAT, trust.file_mode(self.path))
         except OSError as e:
@@ -89,8 +81,6 @@ class RunFolderLock:
     def _make_new_folder(self) -> None:
         """out, or out-2, out-3, ...: the first that does not exist yet. mkdir is atomic, so runs
         started in the same second (the default folder's name) each get a folder of their own."""
-        from fastpt.files import trust
-
         self.out.parent.mkdir(parents=True, exist_ok=True)
         base, n = self.out, 1
         while True:

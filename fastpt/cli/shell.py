@@ -44,9 +44,7 @@ import time
 from pathlib import Path
 
 from fastpt.cli.args import parse_args
-# cpu_has_native_bfloat16: scripts/bench_predict.py reads it from here
-from fastpt.cli.preflight import (check_device_support, check_environment, cpu_has_native_bfloat16,  # noqa: F401
-                                  notes, resolve_config)
+from fastpt.cli.preflight import check_device_support, check_environment, notes, resolve_config
 from fastpt.cli import run_folder
 from fastpt.config import TrainConfig
 from fastpt.errors import (EXIT_STOPPED, CheckpointError, DataError, DiskFull, ModelError, NonFiniteLoss,
@@ -75,19 +73,18 @@ def quiet_libraries(verbose: bool) -> None:
 
 # ---------------------------------------------------------------------------- the shell
 
+@dataclasses.dataclass
 class CommandLine:
     """One command's life: parse, check, claim the run folder, start it; the exit status at the end."""
 
-    def __init__(self, argv=None):
-        self.argv = argv
-        self.cfg: TrainConfig | None = None
-        self.dist = None
-        self.lock = None
-        self.plan = None
-        self.notes: list[str] = []
-        self.started = False  # the run folder has been written: failures are no longer "bad input"
-        self.status = EXIT_FAILED
-        self.stack = contextlib.ExitStack()  # what exit_status undoes at the end
+    argv: list | None = None
+    cfg: TrainConfig | None = None
+    dist: object = None
+    lock: object = None
+    plan: object = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    started: bool = False  # the run folder has been written: failures are no longer "bad input"
+    status: int = EXIT_FAILED
 
     def parse(self):
         """Flags and the checks that need no data; the device and, under torchrun, the process group."""
@@ -117,7 +114,8 @@ class CommandLine:
         if cfg.compile:  # compiled kernels run as this user: only from a folder no one else can change
             from fastpt.speedups.compile import check_compile_cache
             check_compile_cache(cache)
-        out, self.lock = run_folder.claim_out_dir(out, dist, new=run_folder.is_default_out(cfg))
+        # new: choose_out named the folder (runs/<time>) rather than --out or --resume
+        out, self.lock = run_folder.claim_out_dir(out, dist, new=not cfg.out and cfg.resume is None)
         if cfg.export_dir:
             run_folder.check_export_dir(Path(cfg.export_dir), out, cfg.overwrite)
         self.plan = run_folder.plan_out_dir(cfg, dist, out)
@@ -152,7 +150,7 @@ class CommandLine:
     @contextlib.contextmanager
     def exit_status(self):
         """Runs the command's body; whatever stops it becomes one line on stderr and `self.status`."""
-        stack = self.stack = contextlib.ExitStack()
+        stack = self.stack = contextlib.ExitStack()  # what exit_status undoes at the end (parse adds to it)
         try:
             stack.enter_context(terminal_streams())  # a terminal that hangs up (SIGHUP) fails no write
             # Until the loop installs its graceful stop, SIGTERM, SIGINT and SIGHUP stop the command at once.
