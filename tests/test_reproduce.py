@@ -197,3 +197,24 @@ def test_the_peers_train_a_pretrained_model_in_train_mode(imdb_dir, cache_dir, t
          "--data-dir", str(imdb_dir), "--cache-dir", str(cache_dir), "--out", str(tmp_path / "out")])
     model, _, _ = common.build_inputs(args, 0, 1)
     assert all(m.training for m in model.modules())
+
+
+def test_compare_peers_warm_configuration_times_a_second_start_over_the_cache_the_first_filled(tmp_path):
+    import compare_peers
+
+    cold, warm = (compare_peers.plan("smoke", [key], ["fastpt"], 1, 2, [], tmp_path, on_cuda=False)[0]
+                  for key in ("bf16-pack-compile", "bf16-pack-compile-warm"))
+    assert cold.command == [*warm.command[:-1], str(cold.out)]  # the same flags: only the timing differs
+    # each start leaves one file in the cache and reports what it found there
+    start = ("import json, os, sys; from pathlib import Path; d = os.environ['TORCHINDUCTOR_CACHE_DIR']; "
+             "found = sorted(os.listdir(d)) if os.path.isdir(d) else []; os.makedirs(d, exist_ok=True); "
+             "Path(d, sys.argv[-1].replace('/', '_')).write_text(''); os.makedirs(sys.argv[-1], exist_ok=True); "
+             "Path(sys.argv[-1], 'results.json').write_text(json.dumps({'found': found, 'train_time_s': 1, "
+             "'samples_per_s': 1}))")
+    for job in (cold, warm):
+        (job.out / "inductor-cache").mkdir(parents=True)
+        (job.out / "inductor-cache" / "left-over").write_text("")  # an earlier benchmark's: always removed
+        job.command = [sys.executable, "-c", start, "--compile", "--out", str(job.out)]
+        compare_peers.execute(job)
+    assert cold.results["found"] == []
+    assert warm.results["found"] == [str(warm.out / "warm-up").replace("/", "_")]  # the untimed first start's
