@@ -19,7 +19,7 @@ from train import main
 
 RESULT_KEYS = {"test_acc", "test_loss", "best_val_acc", "best_epoch", "epochs_run", "stopped_early",
                "train_time_s", "samples_per_s", "tokens_per_s", "padding_efficiency", "peak_memory_bytes",
-               "memory_per_rank", "history"}
+               "cpu_allocator", "memory_per_rank", "history"}
 
 
 def tb_tags(folder):

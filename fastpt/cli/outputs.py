@@ -22,6 +22,7 @@ from fastpt.loop.record import RunRecord
 from fastpt.files import checkpoint
 from fastpt.cluster import distributed
 from fastpt.monitoring import metrics
+from fastpt.speedups import backends
 from fastpt.errors import DataError
 
 
@@ -66,6 +67,8 @@ def write_results(tracker, cfg, dist, strategy, bookkeeping, record: RunRecord, 
         "pack_attention": getattr(strategy.module, "kernel_choice", None) if cfg.pack else None,
         # The attention's precision and how it was chosen (on a CPU under --amp: both measured times, seconds).
         "attention_precision": getattr(strategy.module, "attention_precision", None),
+        # On a CPU: whether malloc keeps freed memory for the next step (speedups/backends.py).
+        "cpu_allocator": backends.cpu_allocator(),
         "peak_memory_bytes": metrics.peak_memory_bytes(dist.device),
         "memory_per_rank": distributed.all_gather_object(strategy.memory_report()),  # list, by rank
         "strategy": strategy.name, "world_size": dist.world_size, "device": str(dist.device),
