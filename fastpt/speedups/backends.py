@@ -23,9 +23,10 @@ what each does and why).
   tokens (torch.profiler's `fill_` on [30522, 384]). With `mmap` off and the heap never trimmed,
   the memory a step frees serves the next one. What the CPU tuning guides get by preloading
   jemalloc or tcmalloc, without a library: the articles' workload in bf16 on a 2-core AVX512-BF16
-  EPYC trained 1.18-1.28x faster (docs/results.md), its results bit for bit the same. The cost:
-  the process keeps its largest footprint until it ends. Process-wide and for the process's
-  life; left alone where the user tuned malloc already (GLIBC_TUNABLES, MALLOC_* variables).
+  EPYC trained 1.18-1.28x faster in three pairs, 1.11x by the median of five (docs/fast-path.md),
+  its results bit for bit the same. The cost: the process gives nothing back until it ends.
+  Process-wide and for the process's life; left alone where the user tuned malloc already
+  (GLIBC_TUNABLES, MALLOC_* variables).
 """
 
 import ctypes
