@@ -431,7 +431,8 @@ def main(argv=None) -> int:
     md = report(summary, args.preset, argv, args.repeats, nproc, versions(), before)
     report_dir = Path(args.report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    name = f"compare-peers-{args.preset}" + (f"-before-{before.name.split('-')[1][:7]}" if before else "")
+    name = (f"compare-peers-{args.preset}" + ("-bf16" if all(k.startswith("bf16") for k in config_keys) else "")
+            + (f"-before-{before.name.split('-')[1][:7]}" if before else ""))  # bf16 tables beside the float32 ones
     (report_dir / f"{name}.md").write_text(md)
     (runs_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(md)
