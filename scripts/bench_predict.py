@@ -22,7 +22,7 @@ its list after a short warm-up:
 Both times include tokenising and exclude loading the model (and wrapping it for packing). Printed
 and written to --table: a Markdown table of texts/s per setting and batch size, each fastpt row
 against the pipeline's best, the ratio of the bests with the settings that made them, the CPU's
-name and the thread count.
+name, flags and thread count, and the date.
 
 The numbers are only as quiet as the machine: measure on an otherwise idle one.
 """
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -40,16 +39,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def imdb_texts(data_dir: str | None, n: int) -> list[str]:
@@ -140,11 +129,13 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     from fastpt.cli.preflight import cpu_has_native_bfloat16
+    from reproduce import machine  # the CPU, its flags and torch's CPU capability
 
     texts = imdb_texts(args.data_dir, args.n)
     header = (f"{len(texts)} IMDB test reviews, --max-length {args.max_length}, model {args.model}"
               f"{' (random init)' if args.random_init else ''}, float32 unless the setting says bf16 | "
-              f"{cpu_name()}, {torch.get_num_threads()} threads | torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()}, {torch.get_num_threads()} threads | "
+              f"torch {torch.__version__}, "
               f"transformers {transformers.__version__}")
     print(header, flush=True)
     precisions = [None]
