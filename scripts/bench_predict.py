@@ -19,9 +19,12 @@ its list after a short warm-up:
 - "bf16" settings (fastpt's `--amp bfloat16`; the pipeline's model loaded with dtype=bfloat16) only
   where the CPU has native bfloat16 (AVX512-BF16 or AMX): elsewhere it is emulated and slower than
   float32, and the script says it skips them.
-Both times include tokenising and exclude loading the model (and wrapping it for packing). Printed
+Both times include tokenising and exclude loading the model (and, for fastpt, wrapping it for packing
+and measuring attention's precision, as fastpt-predict does at its start: well under a second). Printed
 and written to --table: a Markdown table of texts/s per setting and batch size, each fastpt row
-against the pipeline's best, the ratio of the bests with the settings that made them, the CPU's
+against the pipeline's best, the precision attention ran in, the share of this CPU's measured
+matmul peak the row reached (the texts' forward FLOPs on their real tokens per second: what bounds
+any side on the same tokens), the ratio of the bests with the settings that made them, the CPU's
 name, flags and thread count, and the date.
 
 The numbers are only as quiet as the machine: measure on an otherwise idle one.
@@ -66,7 +69,9 @@ def save_model(name: str, random_init: bool, folder: Path) -> None:
     load_tokenizer(name).save_pretrained(folder)
 
 
-def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None) -> float:
+def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int,
+                  amp: str | None = None) -> tuple[float, str]:
+    """(texts/s, attention's precision: the model's dtype) of `pipeline`, the model loaded in `amp`'s dtype."""
     import torch
     from transformers import pipeline
 
@@ -76,15 +81,21 @@ def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int, a
     classify(texts[:4], **kwargs)  # warm-up
     start = time.perf_counter()
     classify(texts, **kwargs)
-    return len(texts) / (time.perf_counter() - start)
+    return len(texts) / (time.perf_counter() - start), amp or "float32"
 
 
 def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None,
-                pack: bool = False) -> float:
+                pack: bool = False) -> tuple[float, str]:
+    """(texts/s, attention's precision) of what fastpt-predict runs: its model, its batches, and
+    attention in the precision its measurement picks (speedups/attention_precision.py), chosen before
+    the clock starts as the packing wrapper is."""
+    from types import SimpleNamespace
+
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from fastpt.loop.inference import packed_prediction_loader, predict, prediction_loader, token_budget, tokenize
+    from fastpt.speedups import attention_precision
     from fastpt.speedups.amp import MixedPrecision
     from fastpt.speedups.packed_attention import packed_attention_kernel
     from fastpt.speedups.packing import PackedClassifier
@@ -97,18 +108,43 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
         model = PackedClassifier(model, packed_attention_kernel(device.type, False, bool(amp)))
     autocast = MixedPrecision(bool(amp), amp or "bfloat16", device).autocast()
 
-    def run(some: list) -> None:
+    def loader(some: list):
         split = tokenize(tokenizer, some, None, max_length)
         if pack:
-            loader = packed_prediction_loader(split, token_budget(split, batch_size), pad_id, max_length)
-        else:
-            loader = prediction_loader(split, batch_size, pad_id, max_length)
-        predict(model, loader, device, autocast, max_length)
+            return packed_prediction_loader(split, token_budget(split, batch_size), pad_id, max_length)
+        return prediction_loader(split, batch_size, pad_id, max_length)
 
-    run(texts[:4])  # warm-up
+    choice = attention_precision.for_predictions(amp, SimpleNamespace(device=device, is_main=True), model,
+                                                 loader(texts))  # measured on the first batch, as fastpt-predict
+    model = attention_precision.apply(model, choice)
+    predict(model, loader(texts[:4]), device, autocast, max_length)  # warm-up
     start = time.perf_counter()
-    run(texts)
-    return len(texts) / (time.perf_counter() - start)
+    predict(model, loader(texts), device, autocast, max_length)
+    return len(texts) / (time.perf_counter() - start), choice["precision"]
+
+
+def forward_flops(folder: Path, texts: list, max_length: int) -> float:
+    """The FLOPs of one forward pass over the texts' real tokens (each text over its own length): a
+    third of training's count (monitoring/metrics.py), the same for both sides (the pipeline, at batch
+    1, computes no padding either)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from fastpt.inputs.models import count_parameters
+    from fastpt.loop.inference import tokenize
+    from fastpt.monitoring import metrics
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(folder))
+    lengths = tokenize(AutoTokenizer.from_pretrained(str(folder)), texts, None, max_length).lengths.tolist()
+    return metrics.review_flops(lengths, count_parameters(model)[1], *metrics.model_shape(model)) / 3
+
+
+def matmul_peak(amp: str | None, hidden: int) -> float:
+    """This CPU's measured matmul peak at the setting's precision (monitoring/peak.py, not cached)."""
+    import torch
+
+    from fastpt.monitoring import peak
+
+    return peak.measured_peak(torch.device("cpu"), getattr(torch, amp or "float32"), hidden, None)["flops_per_s"]
 
 
 def main() -> None:
@@ -119,7 +155,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=1000, help="reviews")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--pipeline-batch-sizes", default="1,8,32")
-    p.add_argument("--fastpt-batch-sizes", default="16,64,256")
+    p.add_argument("--fastpt-batch-sizes", default="4,16,64")
     p.add_argument("--table", default=str(ROOT / "scripts" / "results" / "predict-cpu.md"))
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
@@ -134,9 +170,7 @@ def main() -> None:
     texts = imdb_texts(args.data_dir, args.n)
     header = (f"{len(texts)} IMDB test reviews, --max-length {args.max_length}, model {args.model}"
               f"{' (random init)' if args.random_init else ''}, float32 unless the setting says bf16 | "
-              f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()}, {torch.get_num_threads()} threads | "
-              f"torch {torch.__version__}, "
-              f"transformers {transformers.__version__}")
+              f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()} | transformers {transformers.__version__}")
     print(header, flush=True)
     precisions = [None]
     if cpu_has_native_bfloat16():
@@ -144,29 +178,42 @@ def main() -> None:
     else:
         print(f"bf16 settings skipped: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16 "
               f"(AVX512-BF16 or AMX); it is emulated here and slower than float32", flush=True)
-    # (side, setting, batch sizes, timer); a setting is how it batches, and its precision
+    # (side, setting, batch sizes, timer, precision); a setting is how it batches, and its precision
     settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes,
-                 functools.partial(time_pipeline, amp=amp)) for amp in precisions]
+                 functools.partial(time_pipeline, amp=amp), amp) for amp in precisions]
     settings += [("fastpt-predict", ("pack" if pack else "padded") + (", bf16" if amp else ""),
-                  args.fastpt_batch_sizes, functools.partial(time_fastpt, amp=amp, pack=pack))
+                  args.fastpt_batch_sizes, functools.partial(time_fastpt, amp=amp, pack=pack), amp)
                  for amp in precisions for pack in (False, True)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "export"
         save_model(args.model, args.random_init, folder)
-        for side, setting, sizes, timer in settings:
+        flops = forward_flops(folder, texts, args.max_length)
+        hidden = transformers.AutoConfig.from_pretrained(str(folder)).hidden_size
+        peaks = {amp: matmul_peak(amp, hidden) for amp in precisions}
+        print(f"{flops / len(texts) / 1e9:.2f} GFLOP per text (forward, real tokens); matmul peak "
+              + ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions), flush=True)
+        for side, setting, sizes, timer, amp in settings:
             for size in map(int, sizes.split(",")):
-                rate = timer(folder, texts, size, args.max_length)
-                rows.append((side, setting, size, rate))
-                print(f"{side:15s} {setting:12s} batch {size:4d}: {rate:8.2f} texts/s", flush=True)
+                rate, attention = timer(folder, texts, size, args.max_length)
+                share = rate * flops / len(texts) / peaks[amp]
+                rows.append((side, setting, size, rate, attention, share))
+                print(f"{side:15s} {setting:12s} batch {size:4d}: {rate:8.2f} texts/s, attention {attention}, "
+                      f"{share:.1%} of the matmul peak", flush=True)
     best = {side: max((r for r in rows if r[0] == side), key=lambda r: r[3]) for side in ("pipeline", "fastpt-predict")}
     theirs = best["pipeline"][3]
     ratio = best["fastpt-predict"][3] / theirs
     named = {side: f"{r[1]}, batch {r[2]}" for side, r in best.items()}
     lines = ["# fastpt-predict vs transformers.pipeline", "", header, "",
-             "pack: streams of batch size x the texts' mean length tokens (fastpt-predict --pack's default).", "",
-             "| side | setting | batch size | texts/s | vs pipeline's best |", "| --- | --- | ---: | ---: | ---: |",
-             *(f"| {s} | {setting} | {b} | {r:.2f} | {r / theirs:.2f}x |" for s, setting, b, r in rows), "",
+             "pack: streams of batch size x the texts' mean length tokens (fastpt-predict --pack's default). "
+             "attention: the precision attention ran in (fastpt-predict measures it under --amp). of peak: the "
+             f"texts' forward FLOPs on their real tokens ({flops / len(texts) / 1e9:.2f} GFLOP per text) per second, "
+             "against this CPU's measured matmul peak at the setting's precision ("
+             + ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions) + ").", "",
+             "| side | setting | batch size | attention | texts/s | of peak | vs pipeline's best |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+             *(f"| {s} | {setting} | {b} | {a} | {r:.2f} | {f:.1%} | {r / theirs:.2f}x |"
+               for s, setting, b, r, a, f in rows), "",
              f"Best against best: fastpt-predict ({named['fastpt-predict']}) {best['fastpt-predict'][3]:.2f} texts/s, "
              f"pipeline ({named['pipeline']}) {theirs:.2f} texts/s: **{ratio:.2f}x**.", "",
              f"Written by `python scripts/bench_predict.py {' '.join(sys.argv[1:])}`."]

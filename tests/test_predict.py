@@ -84,10 +84,10 @@ def test_predict_matches_the_pipeline_from_the_export_and_the_run_folder(trained
     names, root = trained["results"]["label_names"], trained["root"]
     outputs = {}
     for source, out in (("export", root / "from-export.csv"), ("run", root / "from-run.jsonl")):
-        assert predict(["--model", str(trained[source]), "--data", str(trained["test_csv"]), "--out", str(out),
-                        "--batch-size", "4"]) == 0
+        assert predict(["--model", str(trained[source]), "--data", str(trained["test_csv"]), "--out", str(out)]) == 0
         outputs[source] = read_predictions(out)
     printed = capsys.readouterr().out
+    assert printed.count("| batch 16 |") == 2  # --batch-size's default on a CPU
     accuracy = np.trace(trained["results"]["test_confusion"]) / 31
     assert printed.count(f"evaluation: accuracy {accuracy:.4f}") == 2  # the run's own test accuracy, both times
 
@@ -226,12 +226,13 @@ def bad_cases(t):
         "run without checkpoint": (["--model", str(t["root"] / "empty-run"), "--checkpoint", "last"],
                                    "without checkpoints/last.pt"),
         "pack tokens without pack": (["--pack-tokens", "100"], "--pack-tokens needs --pack"),
+        "zero batch size": (["--batch-size", "0"], "--batch-size must be at least 1"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing file", "unknown column", "unknown label column", "neither folder",
                                   "existing output", "output type", "run without checkpoint",
-                                  "pack tokens without pack"])
+                                  "pack tokens without pack", "zero batch size"])
 def test_bad_input_is_one_line_and_writes_nothing(trained, capsys, case):
     (trained["root"] / "taken.csv").write_text("kept\n")
     (trained["root"] / "empty-run" / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -243,3 +244,29 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (trained["root"] / "o.csv").exists() and (trained["root"] / "taken.csv").read_text() == "kept\n"
+
+
+def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(imdb_dir, tmp_path):
+    """scripts/bench_predict.py on the tiny model: each fastpt row names the precision attention ran in
+    (fastpt-predict's own measured choice under --amp, float32 without), each row the share of the
+    measured matmul peak its texts/s reach, and the best against best."""
+    import os
+    import subprocess
+    import sys
+
+    table = tmp_path / "predict.md"
+    done = subprocess.run([sys.executable, "scripts/bench_predict.py", "--model", "tiny", "--data-dir", str(imdb_dir),
+                           "--n", "8", "--max-length", "32", "--pipeline-batch-sizes", "1",
+                           "--fastpt-batch-sizes", "4", "--table", str(table)],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.strip("| ").split(" | ") for line in table.read_text().splitlines()
+            if line.startswith(("| pipeline", "| fastpt-predict"))]
+    assert {"float32", "padded", "pack"} <= {row[1] for row in rows} and len(rows) in (3, 6)  # 6: bf16 native
+    for side, setting, batch, attention, rate, share, ratio in rows:
+        expected = {"float32"} if "bf16" not in setting else {"bfloat16", "float32"}
+        assert attention in expected, (setting, attention)
+        assert float(rate) > 0 and float(share.rstrip("%")) > 0 and ratio.endswith("x")
+    assert "of peak: the texts' forward FLOPs on their real tokens" in table.read_text()
+    assert re.search(r"Best against best: fastpt-predict \(.+\) [\d.]+ texts/s, pipeline", table.read_text())

@@ -52,7 +52,8 @@ def build_parser() -> OneLineParser:
                                           "(default: the run's, else 'label', used where the file has it)")
     p.add_argument("--checkpoint", choices=("best", "last"), help="a run folder's weights (default: best.pt, "
                                                                   "else last.pt)")
-    p.add_argument("--batch-size", type=int, default=64, help="texts per batch")
+    p.add_argument("--batch-size", type=int, help="texts per batch (default: 16 on a CPU, where smaller batches stay "
+                                                  "in its caches, 64 on a GPU; scripts/bench_predict.py measures)")
     p.add_argument("--max-length", type=int, help="tokens per text (default: the run's, else the model's limit)")
     p.add_argument("--amp", choices=("bfloat16", "float16"), help="autocast to this dtype (default: float32)")
     p.add_argument("--pack", action="store_true", help="no padding: the texts end to end in token streams "
@@ -70,7 +71,8 @@ def check_paths(args) -> None:
     out, data, model = Path(args.out), Path(args.data), Path(args.model)
     output_format(out)
     for failed, error, message in (
-            (args.batch_size < 1 or (args.max_length is not None and args.max_length < 2), ValueError,
+            (any(given is not None and given < least for given, least in ((args.batch_size, 1), (args.max_length, 2))),
+             ValueError,
              "--batch-size must be at least 1 and --max-length at least 2"),
             (args.pack_tokens is not None and (not args.pack or args.pack_tokens < 1), ValueError,
              "--pack-tokens needs --pack and a positive number of tokens"),
@@ -172,6 +174,7 @@ def run(args, dist) -> None:
     if args.amp:
         check_dtype_supported(args.amp, dist.device)
     max_length = args.max_length or run_cfg["max_length"]
+    batch_size = args.batch_size or (16 if dist.device.type == "cpu" else 64)
     began = time.perf_counter()
     texts = table.columns[table.use["text"]]
     pairs = table.columns[table.use["pair"]] if columns.text_pair_column else None
@@ -182,14 +185,14 @@ def run(args, dist) -> None:
         from fastpt.speedups.packed_attention import packed_attention_kernel
         from fastpt.speedups.packing import PackedClassifier
         model = PackedClassifier(model, packed_attention_kernel(dist.device.type, False, bool(args.amp)))
-        tokens = args.pack_tokens or token_budget(split, args.batch_size)
+        tokens = args.pack_tokens or token_budget(split, batch_size)
         loader = packed_prediction_loader(split, tokens, pad_id, max_length, dist.rank, dist.world_size,
                                           pin_memory=pin)
         batching = f"pack {tokens} tokens ({model.kernel} attention)"
     else:
-        loader = prediction_loader(split, args.batch_size, pad_id, max_length, dist.rank, dist.world_size, sep_id,
+        loader = prediction_loader(split, batch_size, pad_id, max_length, dist.rank, dist.world_size, sep_id,
                                    pin_memory=pin)
-        batching = f"batch {args.batch_size}"
+        batching = f"batch {batch_size}"
     precision = attention_precision.for_predictions(args.amp, dist, model, loader)  # rank 0 measures
     model = attention_precision.apply(model, precision)
     autocast = MixedPrecision(bool(args.amp), args.amp or "bfloat16", dist.device).autocast()
