@@ -19,8 +19,11 @@ its list after a short warm-up:
 - "bf16" settings (fastpt's `--amp bfloat16`; the pipeline's model loaded with dtype=bfloat16) only
   where the CPU has native bfloat16 (AVX512-BF16 or AMX): elsewhere it is emulated and slower than
   float32, and the script says it skips them.
-Both times include tokenising and exclude loading the model (and, for fastpt, wrapping it for packing
-and measuring attention's precision, as fastpt-predict does at its start: well under a second). Printed
+Each setting at each batch size runs in a fresh process of its own: fastpt's with freed memory
+kept for reuse, as fastpt-predict's is on a CPU (speedups/backends.py), the pipeline's with glibc's
+defaults, as a user's script runs it. Both times include tokenising and exclude loading the model (and, for
+fastpt, wrapping it for packing and measuring attention's precision, as fastpt-predict does at its
+start: well under a second). Printed
 and written to --table: a Markdown table of texts/s per setting and batch size, each fastpt row
 against the pipeline's best, the precision attention ran in, the share of this CPU's measured
 matmul peak the row reached (the texts' forward FLOPs on their real tokens per second: what bounds
@@ -33,7 +36,7 @@ The numbers are only as quiet as the machine: measure on an otherwise idle one.
 from __future__ import annotations
 
 import argparse
-import functools
+import json
 import os
 import sys
 import tempfile
@@ -147,7 +150,43 @@ def matmul_peak(amp: str | None, hidden: int) -> float:
     return peak.measured_peak(torch.device("cpu"), getattr(torch, amp or "float32"), hidden, None)["flops_per_s"]
 
 
+def measure_alone(folder: str, texts_file: str, side: str, amp: str | None, pack: bool, batch_size: int,
+                  max_length: int) -> dict:
+    """One setting at one batch size, in this fresh process: fastpt's side with freed memory kept, as
+    fastpt-predict runs on a CPU (speedups/backends.py); the pipeline's with glibc's defaults, as it runs."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    if side == "fastpt-predict":
+        from fastpt.speedups.backends import keep_freed_memory
+        keep_freed_memory()
+    texts = json.loads(Path(texts_file).read_text())
+    if side == "pipeline":
+        rate, attention = time_pipeline(Path(folder), texts, batch_size, max_length, amp)
+    else:
+        rate, attention = time_fastpt(Path(folder), texts, batch_size, max_length, amp, pack)
+    return {"rate": rate, "attention": attention}
+
+
+def in_own_process(folder: Path, texts_file: Path, side: str, amp: str | None, pack: bool, batch_size: int,
+                   max_length: int) -> tuple[float, str]:
+    """measure_alone's (texts/s, attention) from a process of its own: what one setting leaves behind (its
+    heap, the pipeline's threads) never weighs on the next, and each side runs with its own allocator."""
+    import subprocess
+
+    spec = json.dumps([str(folder), str(texts_file), side, amp, pack, batch_size, max_length])
+    done = subprocess.run([sys.executable, __file__, "--measure-alone", spec], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"error: {side} {amp or 'float32'} batch {batch_size} failed: {done.stderr.strip()[-500:]}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return found["rate"], found["attention"]
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--measure-alone"]:  # in_own_process's child
+        print(json.dumps(measure_alone(*json.loads(sys.argv[2]))))
+        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default=None, help="IMDB: aclImdb/ or a tarball (default: $FASTPT_DATA_DIR)")
     p.add_argument("--model", default="minilm")
@@ -170,7 +209,9 @@ def main() -> None:
     texts = imdb_texts(args.data_dir, args.n)
     header = (f"{len(texts)} IMDB test reviews, --max-length {args.max_length}, model {args.model}"
               f"{' (random init)' if args.random_init else ''}, float32 unless the setting says bf16 | "
-              f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()} | transformers {transformers.__version__}")
+              f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()} | transformers {transformers.__version__} | "
+              f"each setting in a process of its own; fastpt's with freed memory kept (fastpt-predict's), the "
+              f"pipeline's with glibc's defaults")
     print(header, flush=True)
     precisions = [None]
     if cpu_has_native_bfloat16():
@@ -178,24 +219,25 @@ def main() -> None:
     else:
         print(f"bf16 settings skipped: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16 "
               f"(AVX512-BF16 or AMX); it is emulated here and slower than float32", flush=True)
-    # (side, setting, batch sizes, timer, precision); a setting is how it batches, and its precision
-    settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes,
-                 functools.partial(time_pipeline, amp=amp), amp) for amp in precisions]
+    # (side, setting, batch sizes, precision, pack); a setting is how it batches, and its precision
+    settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes, amp, False)
+                for amp in precisions]
     settings += [("fastpt-predict", ("pack" if pack else "padded") + (", bf16" if amp else ""),
-                  args.fastpt_batch_sizes, functools.partial(time_fastpt, amp=amp, pack=pack), amp)
-                 for amp in precisions for pack in (False, True)]
+                  args.fastpt_batch_sizes, amp, pack) for amp in precisions for pack in (False, True)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "export"
         save_model(args.model, args.random_init, folder)
+        texts_file = Path(tmp) / "texts.json"
+        texts_file.write_text(json.dumps(texts))
         flops = forward_flops(folder, texts, args.max_length)
         hidden = transformers.AutoConfig.from_pretrained(str(folder)).hidden_size
         peaks = {amp: matmul_peak(amp, hidden) for amp in precisions}
         print(f"{flops / len(texts) / 1e9:.2f} GFLOP per text (forward, real tokens); matmul peak "
               + ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions), flush=True)
-        for side, setting, sizes, timer, amp in settings:
+        for side, setting, sizes, amp, pack in settings:
             for size in map(int, sizes.split(",")):
-                rate, attention = timer(folder, texts, size, args.max_length)
+                rate, attention = in_own_process(folder, texts_file, side, amp, pack, size, args.max_length)
                 share = rate * flops / len(texts) / peaks[amp]
                 rows.append((side, setting, size, rate, attention, share))
                 print(f"{side:15s} {setting:12s} batch {size:4d}: {rate:8.2f} texts/s, attention {attention}, "

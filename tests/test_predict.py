@@ -246,6 +246,7 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, capsys, case):
     assert not (trained["root"] / "o.csv").exists() and (trained["root"] / "taken.csv").read_text() == "kept\n"
 
 
+@pytest.mark.slow  # a fresh process per setting: about a minute
 def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(imdb_dir, tmp_path):
     """scripts/bench_predict.py on the tiny model: each fastpt row names the precision attention ran in
     (fastpt-predict's own measured choice under --amp, float32 without), each row the share of the
@@ -270,3 +271,22 @@ def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(
         assert float(rate) > 0 and float(share.rstrip("%")) > 0 and ratio.endswith("x")
     assert "of peak: the texts' forward FLOPs on their real tokens" in table.read_text()
     assert re.search(r"Best against best: fastpt-predict \(.+\) [\d.]+ texts/s, pipeline", table.read_text())
+
+
+@pytest.mark.parametrize("tunables", [None, "glibc.malloc.tcache_count=7"])
+def test_predictions_on_a_cpu_keep_freed_memory_unless_malloc_is_the_users(trained, tmp_path, tunables):
+    """As training does (speedups/backends.py): a fresh process, as fastpt-predict always is; a user's own
+    glibc malloc settings stand."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    env.update({"GLIBC_TUNABLES": tunables} if tunables else {})
+    done = subprocess.run([sys.executable, "-m", "fastpt.cli.predict", "--model", str(trained["export"]), "--data",
+                           str(trained["test_csv"]), "--out", str(tmp_path / "p.csv")], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("predicted "))
+    kept = "malloc: glibc malloc, freed memory kept (no mmap, no trim)" in line
+    assert kept == (tunables is None) and ("malloc: unchanged" in line) == (tunables is not None), line

@@ -165,9 +165,11 @@ def run(args, dist) -> None:
     from fastpt.loop.evaluation import macro_f1
     from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,
                                        tokenize)
-    from fastpt.speedups import attention_precision
+    from fastpt.speedups import attention_precision, backends
     from fastpt.speedups.amp import MixedPrecision, check_dtype_supported
 
+    if dist.device.type == "cpu":  # as training does: big activations reuse freed memory, no fresh pages
+        backends.keep_freed_memory()
     model, tokenizer, names, run_cfg = load_trained(Path(args.model), args.checkpoint)
     table, columns, gold = read_texts(args, run_cfg, names)
     check_model_fits(SimpleNamespace(pack=args.pack, text_pair_column=columns.text_pair_column), model, tokenizer)
@@ -206,7 +208,8 @@ def run(args, dist) -> None:
     write_predictions(Path(args.out), leading, names, out["predicted"], out["probabilities"])
     print(f"predicted {len(texts)} texts in {seconds:.2f} s ({len(texts) / seconds:.1f} texts/s, tokenising "
           f"included) | {batching} | max length {max_length} | {dist.device} x{dist.world_size} | "
-          f"amp: {args.amp or 'off'} | torch {torch.__version__}")
+          f"amp: {args.amp or 'off'} | torch {torch.__version__}"
+          + (f" | malloc: {backends.cpu_allocator()}" if dist.device.type == "cpu" else ""))
     if line := attention_precision.describe(precision):  # measured: the choice and both times
         print(line)
     if gold is not None:

@@ -19,7 +19,7 @@ model (scripts/bench_predict.py measures both):
   products and kernel launches. On a CPU smaller ones (16 by default) are faster: a batch's
   activations stay in the caches between one operator and the next. Measured on a 2-core
   AVX512-BF16 EPYC, 400 reviews at 512 tokens (scripts/results/predict-cpu-bf16.md, 2026-12-03):
-  bf16 padded batches of 16 made 36.4 texts/s, of 64 21.4; float32 batches of 4 18.3, of 64 10.0.
+  bf16 padded batches of 16 made 37.3 texts/s, of 64 29.0; float32 batches of 4 18.1, of 64 13.3.
 - One tokenizer call for all texts (Rust, in parallel), not one call per text.
 - `torch.inference_mode()`: no autograd recording and no version counters on the tensors
   (evaluation.py uses `no_grad`, which compiled and sharded training modules need; this is a
