@@ -273,7 +273,7 @@ def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(
     assert re.search(r"Best against best: fastpt-predict \(.+\) [\d.]+ texts/s, pipeline", table.read_text())
 
 
-@pytest.mark.parametrize("tunables", [None, "glibc.malloc.tcache_count=7"])
+@pytest.mark.parametrize("tunables", [None, pytest.param("glibc.malloc.tcache_count=7", marks=pytest.mark.slow)])
 def test_predictions_on_a_cpu_keep_freed_memory_unless_malloc_is_the_users(trained, tmp_path, tunables):
     """As training does (speedups/backends.py): a fresh process, as fastpt-predict always is; a user's own
     glibc malloc settings stand."""

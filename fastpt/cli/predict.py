@@ -52,8 +52,8 @@ def build_parser() -> OneLineParser:
                                           "(default: the run's, else 'label', used where the file has it)")
     p.add_argument("--checkpoint", choices=("best", "last"), help="a run folder's weights (default: best.pt, "
                                                                   "else last.pt)")
-    p.add_argument("--batch-size", type=int, help="texts per batch (default: 16 on a CPU, where smaller batches stay "
-                                                  "in its caches, 64 on a GPU; scripts/bench_predict.py measures)")
+    p.add_argument("--batch-size", type=int, help="texts per batch (default: 16 on a CPU, where small batches measured "
+                                                  "faster, 64 on a GPU; scripts/bench_predict.py measures)")
     p.add_argument("--max-length", type=int, help="tokens per text (default: the run's, else the model's limit)")
     p.add_argument("--amp", choices=("bfloat16", "float16"), help="autocast to this dtype (default: float32)")
     p.add_argument("--pack", action="store_true", help="no padding: the texts end to end in token streams "
