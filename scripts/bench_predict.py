@@ -241,7 +241,7 @@ def main() -> None:
                 share = rate * flops / len(texts) / peaks[amp]
                 rows.append((side, setting, size, rate, attention, share))
                 print(f"{side:15s} {setting:12s} batch {size:4d}: {rate:8.2f} texts/s, attention {attention}, "
-                      f"{share:.1%} of the matmul peak", flush=True)
+                      f"{100 * share:.3g}% of the matmul peak", flush=True)
     best = {side: max((r for r in rows if r[0] == side), key=lambda r: r[3]) for side in ("pipeline", "fastpt-predict")}
     theirs = best["pipeline"][3]
     ratio = best["fastpt-predict"][3] / theirs
@@ -254,7 +254,7 @@ def main() -> None:
              + ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions) + ").", "",
              "| side | setting | batch size | attention | texts/s | of peak | vs pipeline's best |",
              "| --- | --- | ---: | --- | ---: | ---: | ---: |",
-             *(f"| {s} | {setting} | {b} | {a} | {r:.2f} | {f:.1%} | {r / theirs:.2f}x |"
+             *(f"| {s} | {setting} | {b} | {a} | {r:.2f} | {100 * f:.3g}% | {r / theirs:.2f}x |"
                for s, setting, b, r, a, f in rows), "",
              f"Best against best: fastpt-predict ({named['fastpt-predict']}) {best['fastpt-predict'][3]:.2f} texts/s, "
              f"pipeline ({named['pipeline']}) {theirs:.2f} texts/s: **{ratio:.2f}x**.", "",
