@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -251,10 +254,6 @@ def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(
     """scripts/bench_predict.py on the tiny model: each fastpt row names the precision attention ran in
     (fastpt-predict's own measured choice under --amp, float32 without), each row the share of the
     measured matmul peak its texts/s reach, and the best against best."""
-    import os
-    import subprocess
-    import sys
-
     table = tmp_path / "predict.md"
     done = subprocess.run([sys.executable, "scripts/bench_predict.py", "--model", "tiny", "--data-dir", str(imdb_dir),
                            "--n", "8", "--max-length", "32", "--pipeline-batch-sizes", "1",
@@ -277,10 +276,6 @@ def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(
 def test_predictions_on_a_cpu_keep_freed_memory_unless_malloc_is_the_users(trained, tmp_path, tunables):
     """As training does (speedups/backends.py): a fresh process, as fastpt-predict always is; a user's own
     glibc malloc settings stand."""
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
     env.update({"GLIBC_TUNABLES": tunables} if tunables else {})
     done = subprocess.run([sys.executable, "-m", "fastpt.cli.predict", "--model", str(trained["export"]), "--data",
