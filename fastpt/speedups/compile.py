@@ -123,11 +123,16 @@ What a compiled run sets while it lasts (`compiled_run_settings`, undone by `res
   `bernoulli_` as eager does, in the same order from the same generator, so a compiled run draws
   the masks an eager one would (tests/test_speedups.py compares the two steps with dropout on).
   On CUDA Inductor's own (Philox, in the kernel) stay.
+- On a CPU, Inductor's check of the vector instruction sets (a test kernel built and loaded in a
+  new process for each, 1-3 s of every compiled start on 2 cores) runs once per machine, torch and
+  compiler: its verdict is cached under `<cache dir>/vec-isa/`, and where every set passed
+  `cpp.vec_isa_ok` skips the check (`_vector_isa_checked`).
 """
 
 import contextlib
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -219,6 +224,8 @@ def compiled_run_settings(device: torch.device, cache_root: Path) -> None:
     if device.type == "cpu":
         _undo.enter_context(inductor_config.patch(fallback_random=True))
         _chunked_sum_without_guard()
+        if _vector_isa_checked(cache_root):
+            _undo.enter_context(inductor_config.patch({"cpp.vec_isa_ok": True}))
 
 
 def restore_settings() -> None:
@@ -263,6 +270,40 @@ def check_compile_cache(cache_root: Path) -> None:
         raise ValueError(f"refused the compile cache {folder}: {found}; compiled kernels run as you, so fastpt keeps "
                          f"them only where no one else can change them. Set TORCHINDUCTOR_CACHE_DIR to a folder of "
                          f"your own, or choose another --cache-dir")
+
+
+def _vector_isa_checked(cache_root: Path) -> bool:
+    """Whether every vector instruction set this CPU lists built and loaded in Inductor's own check,
+    for this CPU, torch and C++ compiler (a verdict cached per machine, as the matmul peak is).
+
+    Before its first C++ kernel of a process, Inductor compiles a test kernel for each instruction
+    set the CPU lists (AVX512, AVX2) and loads each in a new Python process, which costs 1-3 s of
+    every compiled run's start on a 2-core CPU, warm cache or not (pytorch/pytorch#100378). Where
+    the cache says all of them passed, `cpp.vec_isa_ok` skips the check and Inductor takes the
+    CPU's list as it is: the instruction set it picks, and so its cache keys, are the same. Where
+    one failed, the check runs in every process; where nothing is cached, it runs here, once, and
+    its verdict is kept. The setting is part of Inductor's cache keys, so the run that checks sets
+    it too: its kernels serve the runs after it.
+    """
+    from torch._inductor import config as inductor_config, cpp_builder, cpu_vec_isa
+
+    from fastpt.monitoring import peak
+
+    compiler = shutil.which(cpp_builder.get_cpp_compiler())
+    if compiler is None:
+        return False  # Inductor's check says so, in its own words
+    built = os.stat(compiler)
+    key = {"cpu": peak.cpu_identity(), "torch": torch.__version__, "torch_path": os.path.dirname(torch.__file__),
+           "compiler": [os.path.realpath(compiler), built.st_size, built.st_mtime_ns]}
+    path = peak.cache_path(cache_root, "vec-isa", key)
+    verdict = peak.read_cached(path, key)
+    if verdict is None:
+        passed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # Inductor's check (kept for this process)
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            listed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list.__wrapped__()]  # the CPU's list alone
+        verdict = {"key": key, "all_passed": passed == listed, "passed": passed, "listed": listed}
+        peak.write_cached(path, verdict)
+    return verdict.get("all_passed") is True
 
 
 def _chunked_sum_without_guard() -> None:
