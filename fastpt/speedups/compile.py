@@ -123,13 +123,14 @@ What a compiled run sets while it lasts (`compiled_run_settings`, undone by `res
   `bernoulli_` as eager does, in the same order from the same generator, so a compiled run draws
   the masks an eager one would (tests/test_speedups.py compares the two steps with dropout on).
   On CUDA Inductor's own (Philox, in the kernel) stay.
-- On a CPU, Inductor's check of the vector instruction sets (a test kernel built and loaded in a
-  new process for each, 1-3 s of every compiled start on 2 cores) runs once per machine, torch and
-  compiler: its verdict is cached under `<cache dir>/vec-isa/`, and where every set passed
-  `cpp.vec_isa_ok` skips the check (`_vector_isa_checked`).
+- On a CPU, Inductor's checks of the vector instruction sets (test kernels built and loaded in
+  new processes, 1-3 s of every compiled start on 2 cores) pass once per machine, torch and
+  compiler: the ones that passed are cached under `<cache dir>/vec-isa/` and not made again
+  (`_vector_isa_checks_cached`).
 """
 
 import contextlib
+import hashlib
 import math
 import os
 import shutil
@@ -224,8 +225,7 @@ def compiled_run_settings(device: torch.device, cache_root: Path) -> None:
     if device.type == "cpu":
         _undo.enter_context(inductor_config.patch(fallback_random=True))
         _chunked_sum_without_guard()
-        if _vector_isa_checked(cache_root):
-            _undo.enter_context(inductor_config.patch({"cpp.vec_isa_ok": True}))
+        _vector_isa_checks_cached(cache_root)
 
 
 def restore_settings() -> None:
@@ -272,38 +272,44 @@ def check_compile_cache(cache_root: Path) -> None:
                          f"your own, or choose another --cache-dir")
 
 
-def _vector_isa_checked(cache_root: Path) -> bool:
-    """Whether every vector instruction set this CPU lists built and loaded in Inductor's own check,
-    for this CPU, torch and C++ compiler (a verdict cached per machine, as the matmul peak is).
+def _vector_isa_checks_cached(cache_root: Path) -> None:
+    """Inductor's checks of the CPU's vector instruction sets, each made once per machine, torch and
+    C++ compiler while this run lasts: a check that passed is cached, as the matmul peak is.
 
-    Before its first C++ kernel of a process, Inductor compiles a test kernel for each instruction
-    set the CPU lists (AVX512, AVX2) and loads each in a new Python process, which costs 1-3 s of
-    every compiled run's start on a 2-core CPU, warm cache or not (pytorch/pytorch#100378). Where
-    the cache says all of them passed, `cpp.vec_isa_ok` skips the check and Inductor takes the
-    CPU's list as it is: the instruction set it picks, and so its cache keys, are the same. Where
-    one failed, the check runs in every process; where nothing is cached, it runs here, once, and
-    its verdict is kept. The setting is part of Inductor's cache keys, so the run that checks sets
-    it too: its kernels serve the runs after it.
+    Before its first C++ kernel of a process, Inductor builds a test kernel for each instruction
+    set the CPU lists (AVX512 and its VNNI and BF16 parts, AVX2) and loads each in a new Python
+    process: six builds and loads, 2.9 s of a warm compiled start on this 2-core CPU
+    (pytorch/pytorch#100378). A check that passed on this machine passes again, so its verdict is
+    kept under `<cache dir>/vec-isa/` and answered from there; one that failed is made again in
+    every run. Inductor picks the same instruction set and flags either way, so its kernels and
+    their cache keys do not change.
     """
-    from torch._inductor import config as inductor_config, cpp_builder, cpu_vec_isa
+    from torch._inductor import cpp_builder, cpu_vec_isa
 
     from fastpt.monitoring import peak
 
     compiler = shutil.which(cpp_builder.get_cpp_compiler())
     if compiler is None:
-        return False  # Inductor's check says so, in its own words
+        return  # Inductor's own check says what is missing
     built = os.stat(compiler)
     key = {"cpu": peak.cpu_identity(), "torch": torch.__version__, "torch_path": os.path.dirname(torch.__file__),
            "compiler": [os.path.realpath(compiler), built.st_size, built.st_mtime_ns]}
     path = peak.cache_path(cache_root, "vec-isa", key)
-    verdict = peak.read_cached(path, key)
-    if verdict is None:
-        passed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # Inductor's check (kept for this process)
-        with inductor_config.patch({"cpp.vec_isa_ok": True}):
-            listed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list.__wrapped__()]  # the CPU's list alone
-        verdict = {"key": key, "all_passed": passed == listed, "passed": passed, "listed": listed}
-        peak.write_cached(path, verdict)
-    return verdict.get("all_passed") is True
+    passed = set((peak.read_cached(path, key) or {}).get("passed", []))
+    own = cpu_vec_isa.VecISA.check_build
+
+    def check_build(isa, code: str) -> bool:
+        check = f"{isa} [{isa.build_arch_flags()}] {hashlib.sha1(code.encode()).hexdigest()[:12]}"
+        if check in passed:
+            return True
+        if not own(isa, code):
+            return False
+        passed.add(check)
+        peak.write_cached(path, {"key": key, "passed": sorted(passed)})
+        return True
+
+    cpu_vec_isa.VecISA.check_build = check_build
+    _undo.callback(setattr, cpu_vec_isa.VecISA, "check_build", own)
 
 
 def _chunked_sum_without_guard() -> None:
