@@ -1,5 +1,6 @@
-"""The measured matmul peak behind MFU on a CPU (fastpt/monitoring/peak.py): measured once, cached
-per machine as plain JSON, and re-measured when the cached file is not this user's or not this key's."""
+"""The measured matmul peak behind MFU on a CPU (fastpt/monitoring/peak.py): measured, cached per
+machine as plain JSON, and re-measured when the cached file is not this user's, not this key's or
+older than ten minutes."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_a_slow_precision_is_probed_on_fewer_rows(monkeypatch):
     assert rate == 2 * rows * 16 * 16
 
 
-@pytest.mark.parametrize("tamper", ["garbage", "other key", "zero", "other user"])
+@pytest.mark.parametrize("tamper", ["garbage", "other key", "zero", "too old", "from the future", "other user"])
 def test_a_cached_figure_that_cannot_be_trusted_is_measured_again(tmp_path, tamper):
     peak.measured_peak(torch.device("cpu"), torch.float32, 64, tmp_path)
     [path] = cached_files(tmp_path)
@@ -69,6 +70,10 @@ def test_a_cached_figure_that_cannot_be_trusted_is_measured_again(tmp_path, tamp
         path.write_text(json.dumps(found))
     elif tamper == "zero":
         found["flops_per_s"] = 0
+        path.write_text(json.dumps(found))
+    elif tamper in ("too old", "from the future"):  # the machine's speed drifts: an old figure is measured again
+        found["measured_at"] += -peak.MAX_AGE_S - 1 if tamper == "too old" else 60
+        found["flops_per_s"] = 1e30
         path.write_text(json.dumps(found))
     else:
         found["flops_per_s"] = 1e30

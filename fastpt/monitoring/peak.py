@@ -9,9 +9,13 @@ matmul probe at the run's precision, on the model's own shapes (tokens x hidden 
 the run's thread count; the best rate is the peak. Every rank of a job on one host probes at
 the same time, so ranks that share the cores share them in the probe too.
 
-What it costs: about a second, once per machine: the figure is cached as JSON under the cache
-folder (`<cache dir>/peak/`), keyed by the CPU (model and flags), torch's version, the thread
-count, ranks per host, the precision and the shapes. The file records the shapes and each
+What it costs: about a second, at most once every ten minutes per machine setting: the figure is
+cached as JSON under the cache folder (`<cache dir>/peak/`), keyed by the CPU (model and flags),
+torch's version, the thread count, ranks per host, the precision and the shapes, with the time it
+was measured. An older figure is measured again, because a machine's matmul speed drifts: on the
+2-core VM this project measures on, the bf16 probe gave 1.0 TFLOP/s at 02:19 and 07:20 UTC and
+0.53-0.60 at 09:45 on 2026-12-03, so a figure kept from a fast hour understated a slow hour's MFU
+by 40%. The file records the shapes and each
 shape's rate next to the peak, so a reader sees what was measured. A file another user wrote,
 one in a folder others can change, or one that does not parse, is measured again (a wrong peak
 would only mislead, but nothing in a shared folder is trusted), and the cache is written the
@@ -40,6 +44,7 @@ SQUARE = 2048
 PROBE_S = 0.25  # seconds per timing; the best of three timings per shape
 CALIBRATION_ROWS = 32  # the first, small product: how fast this precision is on this device
 CACHE_LIMIT = 1 << 20  # bytes: a cached figure is a few hundred
+MAX_AGE_S = 600  # a cached figure older than this is measured again (the machine's speed drifts)
 
 
 def cpu_identity() -> dict:
@@ -94,20 +99,24 @@ def _seconds(a: torch.Tensor, b: torch.Tensor, device: torch.device, reps: int =
 
 def measured_peak(device: torch.device, dtype: torch.dtype, hidden: int, cache_root: Optional[Path],
                   ranks_per_host: int = 1) -> dict:
-    """{"flops_per_s", "dtype", "shapes": [{"mnk", "flops_per_s"}], "source"}: cached, else measured now."""
+    """{"flops_per_s", "dtype", "shapes": [{"mnk", "flops_per_s"}], "measured_at", "source"}: cached within
+    MAX_AGE_S, else measured now."""
     key = {"cpu": cpu_identity() if device.type == "cpu" else None,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "threads": torch.get_num_threads(), "ranks_per_host": ranks_per_host,
            "dtype": str(dtype).removeprefix("torch."), "shapes": probe_shapes(hidden)}
     path = cache_path(cache_root, "peak", key) if cache_root is not None else None
     cached = read_cached(path, key) if path is not None else None
-    if cached is not None and positive_number(cached.get("flops_per_s")):
-        return {**cached, "source": f"measured earlier on this machine ({path})"}
+    if cached is not None and positive_number(cached.get("flops_per_s")) and positive_number(cached.get("measured_at")):
+        age = time.time() - cached["measured_at"]
+        if 0 <= age < MAX_AGE_S:
+            return {**cached, "source": f"measured earlier on this machine, {age:.0f} s ago ({path})"}
     rates = []
     for m, k, n in key["shapes"]:
         rate, rows = matmul_flops_per_s(m, k, n, dtype, device)
         rates.append({"mnk": [rows, k, n], "flops_per_s": rate})
-    found = {"key": key, "flops_per_s": max(r["flops_per_s"] for r in rates), "dtype": key["dtype"], "shapes": rates}
+    found = {"key": key, "flops_per_s": max(r["flops_per_s"] for r in rates), "dtype": key["dtype"], "shapes": rates,
+             "measured_at": time.time()}
     if path is not None:
         write_cached(path, found)
     return {**found, "source": "measured at the start of this run"}
