@@ -15,11 +15,11 @@ torch's version, the thread count, ranks per host, the precision and the shapes,
 was measured. An older figure is measured again, because a machine's matmul speed drifts: on the
 2-core VM this project measures on, the bf16 probe gave 1.0 TFLOP/s at 02:19 and 07:20 UTC and
 0.53-0.60 at 09:45 on 2026-12-03, so a figure kept from a fast hour understated a slow hour's MFU
-by 40%. The file records the shapes and each
-shape's rate next to the peak, so a reader sees what was measured. A file another user wrote,
-one in a folder others can change, or one that does not parse, is measured again (a wrong peak
-would only mislead, but nothing in a shared folder is trusted), and the cache is written the
-way a shared folder needs (`write_cached`: no name someone else chose is ever written through).
+by 40%. The file records the shapes and each shape's rate next to the peak, so a reader sees what
+was measured. A file another user wrote, one in a folder others can change, or one that does not
+parse, is measured again (a wrong peak would only mislead, but nothing in a shared folder is
+trusted), and the cache is written the way a shared folder needs (`write_cached`: no name someone
+else chose is ever written through).
 
 This is an achieved peak, not a datasheet one: MFU against it says how much of what this
 machine's matmuls reach the step uses, which is the question a CPU run asks.
