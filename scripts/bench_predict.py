@@ -126,10 +126,10 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
     return len(texts) / (time.perf_counter() - start), choice["precision"]
 
 
-def forward_flops(folder: Path, texts: list, max_length: int) -> float:
-    """The FLOPs of one forward pass over the texts' real tokens (each text over its own length): a
-    third of training's count (monitoring/metrics.py), the same for both sides (the pipeline, at batch
-    1, computes no padding either)."""
+def forward_flops(folder: Path, texts: list, max_length: int) -> tuple[float, int]:
+    """(the FLOPs of one forward pass over the texts' real tokens, each text over its own length, the
+    model's width). The FLOPs are a third of training's count (monitoring/metrics.py), the same for
+    both sides (the pipeline, at batch 1, computes no padding either)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from fastpt.inputs.models import count_parameters
@@ -138,7 +138,8 @@ def forward_flops(folder: Path, texts: list, max_length: int) -> float:
 
     model = AutoModelForSequenceClassification.from_pretrained(str(folder))
     lengths = tokenize(AutoTokenizer.from_pretrained(str(folder)), texts, None, max_length).lengths.tolist()
-    return metrics.review_flops(lengths, count_parameters(model)[1], *metrics.model_shape(model)) / 3
+    layers, hidden = metrics.model_shape(model)
+    return metrics.review_flops(lengths, count_parameters(model)[1], layers, hidden) / 3, hidden
 
 
 def matmul_peak(amp: str | None, hidden: int) -> float:
@@ -230,11 +231,11 @@ def main() -> None:
         save_model(args.model, args.random_init, folder)
         texts_file = Path(tmp) / "texts.json"
         texts_file.write_text(json.dumps(texts))
-        flops = forward_flops(folder, texts, args.max_length)
-        hidden = transformers.AutoConfig.from_pretrained(str(folder)).hidden_size
+        flops, hidden = forward_flops(folder, texts, args.max_length)
         peaks = {amp: matmul_peak(amp, hidden) for amp in precisions}
-        print(f"{flops / len(texts) / 1e9:.2f} GFLOP per text (forward, real tokens); matmul peak "
-              + ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions), flush=True)
+        per_text = f"{flops / len(texts) / 1e9:.2f} GFLOP per text"
+        peak_rates = ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions)
+        print(f"{per_text} (forward, real tokens); matmul peak {peak_rates}", flush=True)
         for side, setting, sizes, amp, pack in settings:
             for size in map(int, sizes.split(",")):
                 rate, attention = in_own_process(folder, texts_file, side, amp, pack, size, args.max_length)
@@ -249,9 +250,8 @@ def main() -> None:
     lines = ["# fastpt-predict vs transformers.pipeline", "", header, "",
              "pack: streams of batch size x the texts' mean length tokens (fastpt-predict --pack's default). "
              "attention: the precision attention ran in (fastpt-predict measures it under --amp). of peak: the "
-             f"texts' forward FLOPs on their real tokens ({flops / len(texts) / 1e9:.2f} GFLOP per text) per second, "
-             "against this CPU's measured matmul peak at the setting's precision ("
-             + ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions) + ").", "",
+             f"texts' forward FLOPs on their real tokens ({per_text}) per second, against this CPU's measured matmul "
+             f"peak at the setting's precision ({peak_rates}).", "",
              "| side | setting | batch size | attention | texts/s | of peak | vs pipeline's best |",
              "| --- | --- | ---: | --- | ---: | ---: | ---: |",
              *(f"| {s} | {setting} | {b} | {a} | {r:.2f} | {100 * f:.3g}% | {r / theirs:.2f}x |"
