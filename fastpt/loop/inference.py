@@ -16,8 +16,9 @@ model (scripts/bench_predict.py measures both):
   vary from a few dozen tokens to 512, so a random batch of 32 is mostly padding.
 - The batch size that suits the device (--batch-size): on a GPU large batches (64 by default; with
   no activations kept for a backward pass, many times a training batch) give fewer, fuller matrix
-  products and kernel launches. On a CPU smaller ones (16 by default) measured faster (a small
-  batch's activations more likely stay in the caches from one operator to the next). On a 2-core
+  products and kernel launches. On a CPU smaller ones (16 by default) measured faster (why is not
+  settled: a small batch's activations stay in the caches more, and a larger one takes more fresh
+  pages from the kernel, which the VM measured on zeroes at a high cost). On a 2-core
   AVX512-BF16 EPYC, 400 reviews at 512 tokens (scripts/results/predict-cpu-bf16.md, 2026-12-03):
   bf16 padded batches of 16 made 37.3 texts/s, of 64 29.0; float32 batches of 4 18.1, of 64 13.3.
 - One tokenizer call for all texts (Rust, in parallel), not one call per text.
