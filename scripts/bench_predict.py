@@ -16,9 +16,11 @@ its list after a short warm-up:
   batches padded to their own longest, inference_mode; float32 like the pipeline;
 - fastpt "pack": what `fastpt-predict --pack` runs: the same sorted texts end to end in streams of
   B x the texts' mean length tokens (its default --pack-tokens), no padding; float32;
-- "bf16" settings (fastpt's `--amp bfloat16`; the pipeline's model loaded with dtype=bfloat16) only
-  where the CPU has native bfloat16 (AVX512-BF16 or AMX): elsewhere it is emulated and slower than
-  float32, and the script says it skips them.
+- "bf16" settings (fastpt's `--amp bfloat16`: the model cast to bfloat16 once; the pipeline's model
+  loaded with dtype=bfloat16) only where the CPU has native bfloat16 (AVX512-BF16 or AMX): elsewhere
+  it is emulated and slower than float32, and the script says it skips them;
+- fastpt "padded, bf16 autocast": the same padded batches with the float32 model under bfloat16
+  autocast, as training evaluates (the design fastpt-predict --amp replaced: loop/inference.py).
 Each setting at each batch size runs in a fresh process of its own: fastpt's with freed memory
 kept for reuse, as fastpt-predict's is on a CPU (speedups/backends.py), the pipeline's with glibc's
 defaults, as a user's script runs it. Both times include tokenising and exclude loading the model (and, for
@@ -88,10 +90,12 @@ def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int,
 
 
 def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None,
-                pack: bool = False) -> tuple[float, str]:
-    """(texts/s, attention's precision) of what fastpt-predict runs: its model, its batches, and
-    attention in the precision its measurement picks (speedups/attention_precision.py), chosen before
-    the clock starts as the packing wrapper is."""
+                pack: bool = False, autocast: bool = False) -> tuple[float, str]:
+    """(texts/s, attention's precision) of what fastpt-predict runs: its model (cast to `amp`'s dtype; with
+    `autocast`, float32 under autocast instead), its batches, and attention in the precision its
+    measurement picks (speedups/attention_precision.py), chosen before the clock starts as the packing
+    wrapper is."""
+    import contextlib
     from types import SimpleNamespace
 
     import torch
@@ -99,7 +103,7 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
 
     from fastpt.loop.inference import packed_prediction_loader, predict, prediction_loader, token_budget, tokenize
     from fastpt.speedups import attention_precision
-    from fastpt.speedups.amp import MixedPrecision
+    from fastpt.speedups.amp import DTYPES
     from fastpt.speedups.packed_attention import packed_attention_kernel
     from fastpt.speedups.packing import PackedClassifier
 
@@ -109,7 +113,6 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
     pad_id = tokenizer.pad_token_id or 0
     if pack:  # as fastpt-predict --pack wraps it
         model = PackedClassifier(model, packed_attention_kernel(device.type, False, bool(amp)))
-    autocast = MixedPrecision(bool(amp), amp or "bfloat16", device).autocast()
 
     def loader(some: list):
         split = tokenize(tokenizer, some, None, max_length)
@@ -119,10 +122,11 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
 
     choice = attention_precision.for_predictions(amp, SimpleNamespace(device=device, is_main=True), model,
                                                  loader(texts))  # measured on the first batch, as fastpt-predict
-    model = attention_precision.apply(model, choice)
-    predict(model, loader(texts[:4]), device, autocast, max_length)  # warm-up
-    start = time.perf_counter()
-    predict(model, loader(texts), device, autocast, max_length)
+    model = attention_precision.apply(model, choice).to(device, None if autocast else DTYPES.get(amp))
+    with torch.autocast("cpu", DTYPES[amp]) if autocast else contextlib.nullcontext():
+        predict(model, loader(texts[:4]), device, max_length)  # warm-up
+        start = time.perf_counter()
+        predict(model, loader(texts), device, max_length)
     return len(texts) / (time.perf_counter() - start), choice["precision"]
 
 
@@ -152,7 +156,7 @@ def matmul_peak(amp: str | None, hidden: int) -> float:
 
 
 def measure_alone(folder: str, texts_file: str, side: str, amp: str | None, pack: bool, batch_size: int,
-                  max_length: int) -> dict:
+                  max_length: int, autocast: bool = False) -> dict:
     """One setting at one batch size, in this fresh process: fastpt's side with freed memory kept, as
     fastpt-predict runs on a CPU (speedups/backends.py); the pipeline's with glibc's defaults, as it runs."""
     import transformers
@@ -166,17 +170,17 @@ def measure_alone(folder: str, texts_file: str, side: str, amp: str | None, pack
     if side == "pipeline":
         rate, attention = time_pipeline(Path(folder), texts, batch_size, max_length, amp)
     else:
-        rate, attention = time_fastpt(Path(folder), texts, batch_size, max_length, amp, pack)
+        rate, attention = time_fastpt(Path(folder), texts, batch_size, max_length, amp, pack, autocast)
     return {"rate": rate, "attention": attention}
 
 
 def in_own_process(folder: Path, texts_file: Path, side: str, amp: str | None, pack: bool, batch_size: int,
-                   max_length: int) -> tuple[float, str]:
+                   max_length: int, autocast: bool = False) -> tuple[float, str]:
     """measure_alone's (texts/s, attention) from a process of its own: what one setting leaves behind (its
     heap, the pipeline's threads) never weighs on the next, and each side runs with its own allocator."""
     import subprocess
 
-    spec = json.dumps([str(folder), str(texts_file), side, amp, pack, batch_size, max_length])
+    spec = json.dumps([str(folder), str(texts_file), side, amp, pack, batch_size, max_length, autocast])
     done = subprocess.run([sys.executable, __file__, "--measure-alone", spec], capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"error: {side} {amp or 'float32'} batch {batch_size} failed: {done.stderr.strip()[-500:]}")
@@ -220,11 +224,13 @@ def main() -> None:
     else:
         print(f"bf16 settings skipped: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16 "
               f"(AVX512-BF16 or AMX); it is emulated here and slower than float32", flush=True)
-    # (side, setting, batch sizes, precision, pack); a setting is how it batches, and its precision
-    settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes, amp, False)
+    # (side, setting, batch sizes, precision, pack, autocast); a setting is how it batches, and its precision
+    settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes, amp, False, False)
                 for amp in precisions]
     settings += [("fastpt-predict", ("pack" if pack else "padded") + (", bf16" if amp else ""),
-                  args.fastpt_batch_sizes, amp, pack) for amp in precisions for pack in (False, True)]
+                  args.fastpt_batch_sizes, amp, pack, False) for amp in precisions for pack in (False, True)]
+    if "bfloat16" in precisions:  # the float32 model under autocast: what --amp's cast weights replaced
+        settings.append(("fastpt-predict", "padded, bf16 autocast", args.fastpt_batch_sizes, "bfloat16", False, True))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "export"
@@ -236,14 +242,15 @@ def main() -> None:
         per_text = f"{flops / len(texts) / 1e9:.2f} GFLOP per text"
         peak_rates = ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions)
         print(f"{per_text} (forward, real tokens); matmul peak {peak_rates}", flush=True)
-        for side, setting, sizes, amp, pack in settings:
+        for side, setting, sizes, amp, pack, autocast in settings:
             for size in map(int, sizes.split(",")):
-                rate, attention = in_own_process(folder, texts_file, side, amp, pack, size, args.max_length)
+                rate, attention = in_own_process(folder, texts_file, side, amp, pack, size, args.max_length, autocast)
                 share = rate * flops / len(texts) / peaks[amp]
                 rows.append((side, setting, size, rate, attention, share))
                 print(f"{side:15s} {setting:12s} batch {size:4d}: {rate:8.2f} texts/s, attention {attention}, "
                       f"{100 * share:.3g}% of the matmul peak", flush=True)
-    best = {side: max((r for r in rows if r[0] == side), key=lambda r: r[3]) for side in ("pipeline", "fastpt-predict")}
+    best = {side: max((r for r in rows if r[0] == side and "autocast" not in r[1]), key=lambda r: r[3])
+            for side in ("pipeline", "fastpt-predict")}  # the autocast row is a comparison, not fastpt-predict's path
     theirs = best["pipeline"][3]
     ratio = best["fastpt-predict"][3] / theirs
     named = {side: f"{r[1]}, batch {r[2]}" for side, r in best.items()}

@@ -155,6 +155,38 @@ def test_unlabelled_texts_are_predicted_without_a_label_column(trained, capsys):
     assert "evaluation" not in capsys.readouterr().out
 
 
+def test_bfloat16_predictions_run_a_bfloat16_model_and_agree_with_float32(trained, monkeypatch):
+    """--amp bfloat16: the model's weights cast to bfloat16 once (no autocast around a float32 model,
+    loop/inference.py), padded and packed; the labels are float32's wherever float32's top two
+    probabilities are not within bfloat16's rounding, the probabilities within 0.02."""
+    from fastpt.loop import inference
+
+    names, root, seen = trained["results"]["label_names"], trained["root"], []
+    real = inference.predict
+
+    def watched(model, *args, **kwargs):
+        seen.append({p.dtype for p in model.parameters()})
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(inference, "predict", watched)
+    found = {}
+    for how, flags in (("float32", []), ("bf16", ["--amp", "bfloat16"]), ("bf16-packed", ["--amp", "bfloat16", "--pack"])):
+        out = root / f"amp-{how}.csv"
+        assert predict(["--model", str(trained["export"]), "--data", str(trained["test_csv"]), "--out", str(out),
+                        "--overwrite", *flags]) == 0
+        found[how] = read_predictions(out)
+    import torch
+    assert seen == [{torch.float32}, {torch.bfloat16}, {torch.bfloat16}]
+    reference = probabilities(found["float32"], names)
+    top_two = np.sort(reference, axis=1)[:, -2:]
+    clear = top_two[:, 1] - top_two[:, 0] > 0.02
+    assert clear.sum() >= 20, "too few clear predictions to compare labels"
+    for how in ("bf16", "bf16-packed"):
+        assert np.abs(probabilities(found[how], names) - reference).max() < 0.02
+        assert [p["predicted"] for p, c in zip(found[how], clear) if c] == \
+            [p["predicted"] for p, c in zip(found["float32"], clear) if c]
+
+
 def test_packed_predictions_equal_the_padded_ones(trained, capsys):
     """--pack: the same labels and probabilities as padded batches, from an export (streams of at most 40
     tokens: several texts each, several streams) and from a run folder (the default budget); padded, both
@@ -263,7 +295,8 @@ def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.strip("| ").split(" | ") for line in table.read_text().splitlines()
             if line.startswith(("| pipeline", "| fastpt-predict"))]
-    assert {"float32", "padded", "pack"} <= {row[1] for row in rows} and len(rows) in (3, 6)  # 6: bf16 native
+    assert {"float32", "padded", "pack"} <= {row[1] for row in rows} and len(rows) in (3, 7)  # 7: bf16 native
+    assert (len(rows) == 7) == ("padded, bf16 autocast" in {row[1] for row in rows})  # the design --amp replaced
     for side, setting, batch, attention, rate, share, ratio in rows:
         expected = {"float32"} if "bf16" not in setting else {"bfloat16", "float32"}
         assert attention in expected, (setting, attention)

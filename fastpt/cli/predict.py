@@ -55,7 +55,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--batch-size", type=int, help="texts per batch (default: 16 on a CPU, where small batches measured "
                                                   "faster, 64 on a GPU; scripts/bench_predict.py measures)")
     p.add_argument("--max-length", type=int, help="tokens per text (default: the run's, else the model's limit)")
-    p.add_argument("--amp", choices=("bfloat16", "float16"), help="autocast to this dtype (default: float32)")
+    p.add_argument("--amp", choices=("bfloat16", "float16"),
+                   help="run the model in this dtype, its weights cast once (loop/inference.py; default: float32)")
     p.add_argument("--pack", action="store_true", help="no padding: the texts end to end in token streams "
                                                        "(DistilBERT, BERT, RoBERTa; speedups/packing.py)")
     p.add_argument("--pack-tokens", type=int, help="with --pack: tokens per stream (default: --batch-size x the "
@@ -166,7 +167,7 @@ def run(args, dist) -> None:
     from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,
                                        tokenize)
     from fastpt.speedups import attention_precision, backends
-    from fastpt.speedups.amp import MixedPrecision, check_dtype_supported
+    from fastpt.speedups.amp import DTYPES, check_dtype_supported
 
     if dist.device.type == "cpu":  # as training does: big activations reuse freed memory, no fresh pages
         backends.keep_freed_memory()
@@ -197,8 +198,7 @@ def run(args, dist) -> None:
         batching = f"batch {batch_size}"
     precision = attention_precision.for_predictions(args.amp, dist, model, loader)  # rank 0 measures
     model = attention_precision.apply(model, precision)
-    autocast = MixedPrecision(bool(args.amp), args.amp or "bfloat16", dist.device).autocast()
-    out = predict(model.to(dist.device), loader, dist.device, autocast, max_length)
+    out = predict(model.to(dist.device, DTYPES.get(args.amp)), loader, dist.device, max_length)
     seconds = time.perf_counter() - began
     if not dist.is_main:
         return

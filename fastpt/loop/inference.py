@@ -2,10 +2,10 @@
 
     split = tokenize(tokenizer, texts, None, max_length)     # one call: the fast tokenizer's batch
     loader = prediction_loader(split, batch_size, ...)       # length-sorted batches, padded to their longest
-    out = predict(model, loader, device, autocast)           # inference_mode; out["probabilities"][i] is text i's
+    out = predict(model.to(device, dtype), loader, device)   # inference_mode; out["probabilities"][i] is text i's
 
     loader = packed_prediction_loader(split, token_budget(split, batch_size), ...)   # or: no padding at all
-    out = predict(PackedClassifier(model, kernel), loader, device, autocast, max_length)
+    out = predict(PackedClassifier(model, kernel).to(device, dtype), loader, device, max_length)
 
 What makes it faster than `transformers.pipeline("text-classification")` on the same texts and
 model (scripts/bench_predict.py measures both):
@@ -25,8 +25,14 @@ model (scripts/bench_predict.py measures both):
 - `torch.inference_mode()`: no autograd recording and no version counters on the tensors
   (evaluation.py uses `no_grad`, which compiled and sharded training modules need; this is a
   plain model that never trains).
-- Optional autocast (--amp bfloat16): matrix products in 16 bits on GPUs, and on CPUs with 16-bit
-  matrix units (AMX, AVX-512 BF16); on a CPU without them it is slower than float32.
+- Optional 16-bit weights (--amp bfloat16): the model cast to that dtype once, as
+  `pipeline(dtype=torch.bfloat16)` loads it, rather than autocast around a float32 model. A model
+  that never trains needs no float32 master weights, and autocast would cast every weight at every
+  call and keep the residual stream, layer norms and GELU in float32, with a cast before each matrix
+  product (scripts/bench_predict.py's "padded, bf16 autocast" row measures that design beside this
+  one). Layer norm still accumulates in float32 (its kernels' accumulate type), and the logits'
+  softmax is float32. Worth it on GPUs, and on CPUs with 16-bit matrix units (AMX, AVX-512 BF16);
+  on a CPU without them it is slower than float32.
 - Optional packing (--pack, speedups/packing.py): the sorted texts laid end to end in token streams
   of about `token_budget` tokens (--pack-tokens; by default --batch-size x the texts' mean length,
   so about as many batches as padded ones), no padding token at all. A stream of short texts holds
@@ -41,8 +47,6 @@ Several processes (torchrun) each take their share of the sorted order, rank r e
 and one all-gather puts the results back in the input's order (evaluation.gather_per_example).
 Cost: every text is tokenised and held in memory at once (4 bytes a token). Lightning: `Trainer.predict`.
 """
-
-import contextlib
 
 import numpy as np
 import torch
@@ -101,7 +105,7 @@ def prediction_loader(split: data.TokenizedSplit, batch_size: int, pad_id: int, 
 
 
 @torch.inference_mode()
-def predict(model: torch.nn.Module, loader, device: torch.device, autocast=None, max_length: int = 0) -> dict:
+def predict(model: torch.nn.Module, loader, device: torch.device, max_length: int = 0) -> dict:
     """{'probabilities' [n, K] float32, 'predicted' [n] int64} in the split's order, on every rank.
 
     `model` is a PackedClassifier for packed batches, with `max_length` the longest text (the kernels'
@@ -110,7 +114,6 @@ def predict(model: torch.nn.Module, loader, device: torch.device, autocast=None,
     kept = []
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with autocast or contextlib.nullcontext():
-            logits = classify(model, batch, max_length).float()  # max_length: for packed batches only
+        logits = classify(model, batch, max_length).float()  # max_length: for packed batches only
         kept.append((torch.softmax(logits, dim=-1), logits.argmax(dim=-1)))
     return gather_per_example(loader.batch_sampler, kept)
