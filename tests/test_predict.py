@@ -170,7 +170,8 @@ def test_bfloat16_predictions_run_a_bfloat16_model_and_agree_with_float32(traine
 
     monkeypatch.setattr(inference, "predict", watched)
     found = {}
-    for how, flags in (("float32", []), ("bf16", ["--amp", "bfloat16"]), ("bf16-packed", ["--amp", "bfloat16", "--pack"])):
+    for how, flags in (("float32", []), ("bf16", ["--amp", "bfloat16"]),
+                       ("bf16-packed", ["--amp", "bfloat16", "--pack"])):
         out = root / f"amp-{how}.csv"
         assert predict(["--model", str(trained["export"]), "--data", str(trained["test_csv"]), "--out", str(out),
                         "--overwrite", *flags]) == 0
