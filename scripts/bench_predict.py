@@ -16,11 +16,13 @@ its list after a short warm-up:
   batches padded to their own longest, inference_mode; float32 like the pipeline;
 - fastpt "pack": what `fastpt-predict --pack` runs: the same sorted texts end to end in streams of
   B x the texts' mean length tokens (its default --pack-tokens), no padding; float32;
-- "bf16" settings (fastpt's `--amp bfloat16`: the model cast to bfloat16 once; the pipeline's model
-  loaded with dtype=bfloat16) only where the CPU has native bfloat16 (AVX512-BF16 or AMX): elsewhere
-  it is emulated and slower than float32, and the script says it skips them;
+- "bf16" settings (fastpt's `--amp bfloat16`: the model cast to bfloat16 once, its linear weights
+  prepacked for oneDNN; the pipeline's model loaded with dtype=bfloat16) only where the CPU has
+  native bfloat16 (AVX512-BF16 or AMX): elsewhere it is emulated and slower than float32, and the
+  script says it skips them;
 - fastpt "padded, bf16 autocast": the same padded batches with the float32 model under bfloat16
-  autocast, as training evaluates (the design fastpt-predict --amp replaced: loop/inference.py).
+  autocast, as training evaluates (the design fastpt-predict --amp replaced: loop/inference.py;
+  float32 weights, so none prepacked).
 Each setting at each batch size runs in a fresh process of its own: fastpt's with freed memory
 kept for reuse, as fastpt-predict's is on a CPU (speedups/backends.py), the pipeline's with glibc's
 defaults, as a user's script runs it. Both times include tokenising and exclude loading the model (and, for
@@ -91,17 +93,18 @@ def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int,
 
 def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None,
                 pack: bool = False, autocast: bool = False) -> tuple[float, str]:
-    """(texts/s, attention's precision) of what fastpt-predict runs: its model (cast to `amp`'s dtype; with
-    `autocast`, float32 under autocast instead), its batches, and attention in the precision its
-    measurement picks (speedups/attention_precision.py), chosen before the clock starts as the packing
-    wrapper is."""
+    """(texts/s, attention's precision) of what fastpt-predict runs: its model (cast to `amp`'s dtype,
+    bfloat16 linear weights prepacked; with `autocast`, float32 under autocast instead), its batches,
+    and attention in the precision its measurement picks (speedups/attention_precision.py), chosen
+    before the clock starts as the packing wrapper is."""
     import contextlib
     from types import SimpleNamespace
 
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from fastpt.loop.inference import packed_prediction_loader, predict, prediction_loader, token_budget, tokenize
+    from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, prepack_linears,
+                                       token_budget, tokenize)
     from fastpt.speedups import attention_precision
     from fastpt.speedups.amp import DTYPES
     from fastpt.speedups.packed_attention import packed_attention_kernel
@@ -123,6 +126,7 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
     choice = attention_precision.for_predictions(amp, SimpleNamespace(device=device, is_main=True), model,
                                                  loader(texts))  # measured on the first batch, as fastpt-predict
     model = attention_precision.apply(model, choice).to(device, None if autocast else DTYPES.get(amp))
+    prepack_linears(model)  # as fastpt-predict: bfloat16 weights only (not under autocast: float32 there)
     with torch.autocast("cpu", DTYPES[amp]) if autocast else contextlib.nullcontext():
         predict(model, loader(texts[:4]), device, max_length)  # warm-up
         start = time.perf_counter()

@@ -188,6 +188,50 @@ def test_bfloat16_predictions_run_a_bfloat16_model_and_agree_with_float32(traine
             [p["predicted"] for p, c in zip(found["float32"], clear) if c]
 
 
+def test_prepacked_bfloat16_linears_predict_exactly_what_plain_ones_do(trained, capsys):
+    """loop/inference.py's prepack_linears: where oneDNN computes bfloat16 on this CPU, every nn.Linear of a
+    bfloat16 model (the packing wrapper's head too) becomes a PrepackedLinear and the probabilities stay
+    the same bit for bit, padded and packed; float32 models keep theirs; fastpt-predict says how many."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from fastpt.loop import inference
+    from fastpt.speedups.packed_attention import packed_attention_kernel
+    from fastpt.speedups.packing import PackedClassifier
+
+    tokenizer = AutoTokenizer.from_pretrained(str(trained["export"]))
+    split = inference.tokenize(tokenizer, [text for text, _ in trained["test_rows"]], None, 24)
+    pad, cpu = tokenizer.pad_token_id, torch.device("cpu")
+
+    def model(dtype, packed: bool):
+        plain = AutoModelForSequenceClassification.from_pretrained(str(trained["export"]), attn_implementation="sdpa")
+        wrapped = PackedClassifier(plain, packed_attention_kernel("cpu", False, True)) if packed else plain
+        return wrapped.to(cpu, dtype)
+
+    def linears(m, kind) -> int:
+        return sum(type(module) is kind for module in m.modules())
+
+    float32 = model(torch.float32, False)
+    assert inference.prepack_linears(float32) == 0 and linears(float32, inference.PrepackedLinear) == 0
+    supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for packed in (False, True):
+        loader = (inference.packed_prediction_loader(split, 40, pad, 24) if packed
+                  else inference.prediction_loader(split, 4, pad, 24))
+        reference, prepacked = model(torch.bfloat16, packed), model(torch.bfloat16, packed)
+        count = linears(prepacked, torch.nn.Linear)
+        assert count >= 8 and inference.prepack_linears(prepacked) == (count if supported else 0)
+        assert linears(prepacked, torch.nn.Linear) == (0 if supported else count)
+        expected, got = (inference.predict(m, loader, cpu, 24) for m in (reference, prepacked))
+        assert np.array_equal(expected["probabilities"], got["probabilities"]), packed
+        assert np.array_equal(expected["predicted"], got["predicted"])
+    assert predict(["--model", str(trained["export"]), "--data", str(trained["test_csv"]), "--out",
+                    str(trained["root"] / "prepacked.csv"), "--overwrite", "--amp", "bfloat16"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("predicted 31 texts"))
+    assert ("linear weights prepacked)" in line) == supported, line
+    if not supported:
+        pytest.skip("oneDNN has no bfloat16 kernels on this CPU: nothing prepacked, nothing to compare")
+
+
 def test_packed_predictions_equal_the_padded_ones(trained, capsys):
     """--pack: the same labels and probabilities as padded batches, from an export (streams of at most 40
     tokens: several texts each, several streams) and from a run folder (the default budget); padded, both

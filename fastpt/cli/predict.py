@@ -164,8 +164,8 @@ def run(args, dist) -> None:
 
     from fastpt.loop.build import check_model_fits, needs_token_types
     from fastpt.loop.evaluation import macro_f1
-    from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,
-                                       tokenize)
+    from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, prepack_linears,
+                                       token_budget, tokenize)
     from fastpt.speedups import attention_precision, backends
     from fastpt.speedups.amp import DTYPES, check_dtype_supported
 
@@ -197,8 +197,9 @@ def run(args, dist) -> None:
                                    pin_memory=pin)
         batching = f"batch {batch_size}"
     precision = attention_precision.for_predictions(args.amp, dist, model, loader)  # rank 0 measures
-    model = attention_precision.apply(model, precision)
-    out = predict(model.to(dist.device, DTYPES.get(args.amp)), loader, dist.device, max_length)
+    model = attention_precision.apply(model, precision).to(dist.device, DTYPES.get(args.amp))
+    prepacked = prepack_linears(model)  # bfloat16 on a CPU only
+    out = predict(model, loader, dist.device, max_length)
     seconds = time.perf_counter() - began
     if not dist.is_main:
         return
@@ -208,7 +209,8 @@ def run(args, dist) -> None:
     write_predictions(Path(args.out), leading, names, out["predicted"], out["probabilities"])
     print(f"predicted {len(texts)} texts in {seconds:.2f} s ({len(texts) / seconds:.1f} texts/s, tokenising "
           f"included) | {batching} | max length {max_length} | {dist.device} x{dist.world_size} | "
-          f"amp: {args.amp or 'off'} | torch {torch.__version__}"
+          f"amp: {args.amp or 'off'}{f' ({prepacked} linear weights prepacked)' if prepacked else ''} | "
+          f"torch {torch.__version__}"
           + (f" | malloc: {backends.cpu_allocator()}" if dist.device.type == "cpu" else ""))
     if line := attention_precision.describe(precision):  # measured: the choice and both times
         print(line)
