@@ -39,6 +39,24 @@ def test_the_probe_measures_the_model_shapes_and_a_square_one_and_caches_them(tm
     assert json.loads(path.read_text())["key"]["threads"] == torch.get_num_threads()
 
 
+def test_in_bfloat16_on_a_cpu_the_prepacked_product_is_probed_too_and_computes_the_same():
+    """Where fastpt-predict prepacks bfloat16 weights (speedups/prepacked.py), the probe times that product
+    beside torch.mm at each shape, the peak the faster; it computes what torch.mm does."""
+    from fastpt.speedups.prepacked import prepacking_pays
+
+    cpu = torch.device("cpu")
+    assert peak.kernels(cpu, torch.float32) == ["mm"]
+    found = peak.measured_peak(cpu, torch.bfloat16, 64, None)
+    kernels = ["mm", "prepacked"] if prepacking_pays(cpu, torch.bfloat16) else ["mm"]
+    assert [(s["mnk"][1:], s["kernel"]) for s in found["shapes"]] == [
+        ([k, n], kernel) for _, k, n in peak.probe_shapes(64) for kernel in kernels]
+    assert found["flops_per_s"] == max(s["flops_per_s"] for s in found["shapes"]) > 0
+    if kernels == ["mm"]:
+        pytest.skip("oneDNN has no bfloat16 kernels on this CPU: nothing prepacked to probe")
+    a, b = torch.randn(33, 64).bfloat16(), torch.randn(64, 48).bfloat16()
+    assert torch.equal(peak._prepacked_product(b)(a), torch.mm(a, b))
+
+
 def test_the_rate_is_the_matmul_flops_over_its_time(monkeypatch):
     clock = iter(float(t) for t in range(1000))
     monkeypatch.setattr(peak.time, "perf_counter", lambda: next(clock))  # every call: one second later
