@@ -20,6 +20,7 @@ Read these, the lessons:
         packing.py         padding-free batches: reviews end to end, the head on each one's first token
         packed_attention.py  attention inside each review: varlen, a per-review loop, a block mask
         attention_precision.py  attention on a CPU under --amp: in 16 bits or on float32 copies, measured
+        prepacked.py       fastpt-predict on a CPU in bfloat16: linear weights in oneDNN's layout, packed once
         bucketing.py       length-grouped batches
         backends.py        TF32, deterministic kernels, a compiled run's settings set and undone
     strategies/  one device, DDP, FSDP2, DeepSpeed ZeRO behind one small interface (base.py first);

@@ -20,9 +20,10 @@ its list after a short warm-up:
   prepacked for oneDNN; the pipeline's model loaded with dtype=bfloat16) only where the CPU has
   native bfloat16 (AVX512-BF16 or AMX): elsewhere it is emulated and slower than float32, and the
   script says it skips them;
-- fastpt "padded, bf16 autocast": the same padded batches with the float32 model under bfloat16
-  autocast, as training evaluates (the design fastpt-predict --amp replaced: loop/inference.py;
-  float32 weights, so none prepacked).
+- the designs fastpt-predict --amp replaced, beside it and never counted as its best: fastpt
+  "padded, bf16 autocast", the same padded batches with the float32 model under bfloat16 autocast,
+  as training evaluates (loop/inference.py); "padded, bf16, weights not prepacked", the bfloat16
+  model on `F.linear` (speedups/prepacked.py).
 Each setting at each batch size runs in a fresh process of its own: fastpt's with freed memory
 kept for reuse, as fastpt-predict's is on a CPU (speedups/backends.py), the pipeline's with glibc's
 defaults, as a user's script runs it. Both times include tokenising and exclude loading the model (and, for
@@ -92,9 +93,10 @@ def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int,
 
 
 def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None,
-                pack: bool = False, autocast: bool = False) -> tuple[float, str]:
+                pack: bool = False, design: str = "") -> tuple[float, str]:
     """(texts/s, attention's precision) of what fastpt-predict runs: its model (cast to `amp`'s dtype,
-    bfloat16 linear weights prepacked; with `autocast`, float32 under autocast instead), its batches,
+    bfloat16 linear weights prepacked; a `design` it replaced instead: "autocast", float32 under
+    autocast, or "not prepacked", bfloat16 on `F.linear`), its batches,
     and attention in the precision its measurement picks (speedups/attention_precision.py), chosen
     before the clock starts as the packing wrapper is."""
     import contextlib
@@ -103,12 +105,12 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, prepack_linears,
-                                       token_budget, tokenize)
+    from fastpt.loop.inference import packed_prediction_loader, predict, prediction_loader, token_budget, tokenize
     from fastpt.speedups import attention_precision
     from fastpt.speedups.amp import DTYPES
     from fastpt.speedups.packed_attention import packed_attention_kernel
     from fastpt.speedups.packing import PackedClassifier
+    from fastpt.speedups.prepacked import prepack_linears
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForSequenceClassification.from_pretrained(str(folder), attn_implementation="sdpa")
@@ -125,8 +127,10 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
 
     choice = attention_precision.for_predictions(amp, SimpleNamespace(device=device, is_main=True), model,
                                                  loader(texts))  # measured on the first batch, as fastpt-predict
+    autocast = design == "autocast"
     model = attention_precision.apply(model, choice).to(device, None if autocast else DTYPES.get(amp))
-    prepack_linears(model)  # as fastpt-predict: bfloat16 weights only (not under autocast: float32 there)
+    if not design:
+        prepack_linears(model)  # as fastpt-predict: bfloat16 weights only
     with torch.autocast("cpu", DTYPES[amp]) if autocast else contextlib.nullcontext():
         predict(model, loader(texts[:4]), device, max_length)  # warm-up
         start = time.perf_counter()
@@ -160,7 +164,7 @@ def matmul_peak(amp: str | None, hidden: int) -> float:
 
 
 def measure_alone(folder: str, texts_file: str, side: str, amp: str | None, pack: bool, batch_size: int,
-                  max_length: int, autocast: bool = False) -> dict:
+                  max_length: int, design: str = "") -> dict:
     """One setting at one batch size, in this fresh process: fastpt's side with freed memory kept, as
     fastpt-predict runs on a CPU (speedups/backends.py); the pipeline's with glibc's defaults, as it runs."""
     import transformers
@@ -174,17 +178,17 @@ def measure_alone(folder: str, texts_file: str, side: str, amp: str | None, pack
     if side == "pipeline":
         rate, attention = time_pipeline(Path(folder), texts, batch_size, max_length, amp)
     else:
-        rate, attention = time_fastpt(Path(folder), texts, batch_size, max_length, amp, pack, autocast)
+        rate, attention = time_fastpt(Path(folder), texts, batch_size, max_length, amp, pack, design)
     return {"rate": rate, "attention": attention}
 
 
 def in_own_process(folder: Path, texts_file: Path, side: str, amp: str | None, pack: bool, batch_size: int,
-                   max_length: int, autocast: bool = False) -> tuple[float, str]:
+                   max_length: int, design: str = "") -> tuple[float, str]:
     """measure_alone's (texts/s, attention) from a process of its own: what one setting leaves behind (its
     heap, the pipeline's threads) never weighs on the next, and each side runs with its own allocator."""
     import subprocess
 
-    spec = json.dumps([str(folder), str(texts_file), side, amp, pack, batch_size, max_length, autocast])
+    spec = json.dumps([str(folder), str(texts_file), side, amp, pack, batch_size, max_length, design])
     done = subprocess.run([sys.executable, __file__, "--measure-alone", spec], capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"error: {side} {amp or 'float32'} batch {batch_size} failed: {done.stderr.strip()[-500:]}")
@@ -228,13 +232,14 @@ def main() -> None:
     else:
         print(f"bf16 settings skipped: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16 "
               f"(AVX512-BF16 or AMX); it is emulated here and slower than float32", flush=True)
-    # (side, setting, batch sizes, precision, pack, autocast); a setting is how it batches, and its precision
+    # (side, setting, batch sizes, precision, pack, design); a setting is how it batches, and its precision
     settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes, amp, False, False)
                 for amp in precisions]
     settings += [("fastpt-predict", ("pack" if pack else "padded") + (", bf16" if amp else ""),
-                  args.fastpt_batch_sizes, amp, pack, False) for amp in precisions for pack in (False, True)]
-    if "bfloat16" in precisions:  # the float32 model under autocast: what --amp's cast weights replaced
-        settings.append(("fastpt-predict", "padded, bf16 autocast", args.fastpt_batch_sizes, "bfloat16", False, True))
+                  args.fastpt_batch_sizes, amp, pack, "") for amp in precisions for pack in (False, True)]
+    if "bfloat16" in precisions:  # what --amp's cast, prepacked weights replaced, to compare
+        settings += [("fastpt-predict", f"padded, bf16{name}", args.fastpt_batch_sizes, "bfloat16", False, design)
+                     for name, design in ((" autocast", "autocast"), (", weights not prepacked", "not prepacked"))]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "export"
@@ -246,15 +251,15 @@ def main() -> None:
         per_text = f"{flops / len(texts) / 1e9:.2f} GFLOP per text"
         peak_rates = ", ".join(f"{amp or 'float32'} {peaks[amp] / 1e12:.3f} TFLOP/s" for amp in precisions)
         print(f"{per_text} (forward, real tokens); matmul peak {peak_rates}", flush=True)
-        for side, setting, sizes, amp, pack, autocast in settings:
+        for side, setting, sizes, amp, pack, design in settings:
             for size in map(int, sizes.split(",")):
-                rate, attention = in_own_process(folder, texts_file, side, amp, pack, size, args.max_length, autocast)
+                rate, attention = in_own_process(folder, texts_file, side, amp, pack, size, args.max_length, design)
                 share = rate * flops / len(texts) / peaks[amp]
-                rows.append((side, setting, size, rate, attention, share, autocast))
+                rows.append((side, setting, size, rate, attention, share, design))
                 print(f"{side:15s} {setting:12s} batch {size:4d}: {rate:8.2f} texts/s, attention {attention}, "
                       f"{100 * share:.3g}% of the matmul peak", flush=True)
     best = {side: max((r for r in rows if r[0] == side and not r[6]), key=lambda r: r[3])
-            for side in ("pipeline", "fastpt-predict")}  # the autocast rows compare; fastpt-predict never runs them
+            for side in ("pipeline", "fastpt-predict")}  # designs replaced: fastpt-predict never runs them
     theirs = best["pipeline"][3]
     ratio = best["fastpt-predict"][3] / theirs
     named = {side: f"{r[1]}, batch {r[2]}" for side, r in best.items()}

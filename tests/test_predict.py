@@ -189,13 +189,14 @@ def test_bfloat16_predictions_run_a_bfloat16_model_and_agree_with_float32(traine
 
 
 def test_prepacked_bfloat16_linears_predict_exactly_what_plain_ones_do(trained, capsys):
-    """loop/inference.py's prepack_linears: where oneDNN computes bfloat16 on this CPU, every nn.Linear of a
+    """speedups/prepacked.py: where oneDNN computes bfloat16 on this CPU, every nn.Linear of a
     bfloat16 model (the packing wrapper's head too) becomes a PrepackedLinear and the probabilities stay
     the same bit for bit, padded and packed; float32 models keep theirs; fastpt-predict says how many."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from fastpt.loop import inference
+    from fastpt.speedups import prepacked
     from fastpt.speedups.packed_attention import packed_attention_kernel
     from fastpt.speedups.packing import PackedClassifier
 
@@ -212,16 +213,16 @@ def test_prepacked_bfloat16_linears_predict_exactly_what_plain_ones_do(trained, 
         return sum(type(module) is kind for module in m.modules())
 
     float32 = model(torch.float32, False)
-    assert inference.prepack_linears(float32) == 0 and linears(float32, inference.PrepackedLinear) == 0
-    supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert prepacked.prepack_linears(float32) == 0 and linears(float32, prepacked.PrepackedLinear) == 0
+    supported = prepacked.prepacking_pays(cpu, torch.bfloat16)
     for packed in (False, True):
         loader = (inference.packed_prediction_loader(split, 40, pad, 24) if packed
                   else inference.prediction_loader(split, 4, pad, 24))
-        reference, prepacked = model(torch.bfloat16, packed), model(torch.bfloat16, packed)
-        count = linears(prepacked, torch.nn.Linear)
-        assert count >= 8 and inference.prepack_linears(prepacked) == (count if supported else 0)
-        assert linears(prepacked, torch.nn.Linear) == (0 if supported else count)
-        expected, got = (inference.predict(m, loader, cpu, 24) for m in (reference, prepacked))
+        reference, fast = model(torch.bfloat16, packed), model(torch.bfloat16, packed)
+        count = linears(fast, torch.nn.Linear)
+        assert count >= 8 and prepacked.prepack_linears(fast) == (count if supported else 0)
+        assert linears(fast, torch.nn.Linear) == (0 if supported else count)
+        expected, got = (inference.predict(m, loader, cpu, 24) for m in (reference, fast))
         assert np.array_equal(expected["probabilities"], got["probabilities"]), packed
         assert np.array_equal(expected["predicted"], got["predicted"])
     assert predict(["--model", str(trained["export"]), "--data", str(trained["test_csv"]), "--out",
@@ -340,8 +341,9 @@ def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.strip("| ").split(" | ") for line in table.read_text().splitlines()
             if line.startswith(("| pipeline", "| fastpt-predict"))]
-    assert {"float32", "padded", "pack"} <= {row[1] for row in rows} and len(rows) in (3, 7)  # 7: bf16 native
-    assert (len(rows) == 7) == ("padded, bf16 autocast" in {row[1] for row in rows})  # the design --amp replaced
+    replaced = {"padded, bf16 autocast", "padded, bf16, weights not prepacked"}  # designs --amp replaced
+    assert {"float32", "padded", "pack"} <= {row[1] for row in rows} and len(rows) in (3, 8)  # 8: bf16 native
+    assert (len(rows) == 8) == (replaced <= {row[1] for row in rows})
     for side, setting, batch, attention, rate, share, ratio in rows:
         expected = {"float32"} if "bf16" not in setting else {"bfloat16", "float32"}
         assert attention in expected, (setting, attention)
@@ -349,8 +351,8 @@ def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(
     assert "of peak: the texts' forward FLOPs on their real tokens" in table.read_text()
     best = re.search(r"Best against best: fastpt-predict \((.+), batch (\d+)\) ([\d.]+) texts/s, pipeline",
                      table.read_text())
-    ours = [row for row in rows if row[0] == "fastpt-predict" and "autocast" not in row[1]]  # what it runs
-    assert best and float(best[3]) == max(float(row[4]) for row in ours) and "autocast" not in best[1]
+    ours = [row for row in rows if row[0] == "fastpt-predict" and row[1] not in replaced]  # what it runs
+    assert best and float(best[3]) == max(float(row[4]) for row in ours) and best[1] not in replaced
 
 
 @pytest.mark.parametrize("tunables", [None, pytest.param("glibc.malloc.tcache_count=7", marks=pytest.mark.slow)])

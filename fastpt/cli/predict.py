@@ -164,9 +164,10 @@ def run(args, dist) -> None:
 
     from fastpt.loop.build import check_model_fits, needs_token_types
     from fastpt.loop.evaluation import macro_f1
-    from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, prepack_linears,
-                                       token_budget, tokenize)
+    from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,
+                                       tokenize)
     from fastpt.speedups import attention_precision, backends
+    from fastpt.speedups.prepacked import prepack_linears
     from fastpt.speedups.amp import DTYPES, check_dtype_supported
 
     if dist.device.type == "cpu":  # as training does: big activations reuse freed memory, no fresh pages

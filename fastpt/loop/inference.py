@@ -33,13 +33,8 @@ model (scripts/bench_predict.py measures both):
   one). Layer norm still accumulates in float32 (its kernels' accumulate type), and the logits'
   softmax is float32. Worth it on GPUs, and on CPUs with 16-bit matrix units (AMX, AVX-512 BF16);
   on a CPU without them it is slower than float32.
-- bfloat16 weights prepacked on a CPU (`prepack_linears`): each nn.Linear's weight reordered once
-  into oneDNN's blocked layout, as Inductor's freezing does for a compiled model
-  (torch/_inductor/fx_passes/mkldnn_fusion.py), without compiling. `F.linear` hands oneDNN the
-  plain layout, which its kernel repacks at every call: same kernel otherwise, so the same results
-  bit for bit (tests/test_predict.py). Alone, MiniLM's matrix products ran 1.13-1.5x faster on a
-  2-core AVX512-BF16 EPYC; whole, fastpt-predict's 400 reviews 1.06-1.18x (docs/predict.md).
-  float32 stays on `F.linear`: MKL's packed float32 GEMM measured no faster there.
+- bfloat16 weights prepacked on a CPU (speedups/prepacked.py): each nn.Linear's weight reordered
+  once into oneDNN's blocked layout instead of at every call; the same results bit for bit.
 - Optional packing (--pack, speedups/packing.py): the sorted texts laid end to end in token streams
   of about `token_budget` tokens (--pack-tokens; by default --batch-size x the texts' mean length,
   so about as many batches as padded ones), no padding token at all. A stream of short texts holds
@@ -109,34 +104,6 @@ def prediction_loader(split: data.TokenizedSplit, batch_size: int, pad_id: int, 
     sampler = data.EvalBatchSampler(split, batch_size, rank, world_size, sort_by_length=True)
     collate = data.Collator(pad_id, "longest", max_length, sep_id)
     return data.make_loader(split, sampler, collate, num_workers, pin_memory, seed=0)
-
-
-class PrepackedLinear(torch.nn.Module):
-    """An nn.Linear that never trains, its bfloat16 weight in oneDNN's blocked layout (see above)."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # opaque: not a buffer
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
-def prepack_linears(model: torch.nn.Module) -> int:
-    """Make `model`'s nn.Linear modules PrepackedLinear where that pays (bfloat16 on a CPU with
-    oneDNN's bfloat16 kernels); how many it made. `model` is ready: on its device, in its dtype."""
-    weight = next(model.parameters())
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
-            or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return 0
-    linears = {id(child): child for child in model.modules() if type(child) is torch.nn.Linear}
-    packed = {key: PrepackedLinear(linear) for key, linear in linears.items()}  # one each, however often it is held
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in packed:
-                setattr(parent, name, packed[id(child)])
-    return len(packed)
 
 
 @torch.inference_mode()
