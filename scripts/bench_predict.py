@@ -4,6 +4,7 @@ Run it before labelling many texts, to choose fastpt-predict's batch size and `-
 
     python scripts/bench_predict.py --data-dir ../shared/data                  # MiniLM, 1,000 reviews, 512 tokens
     python scripts/bench_predict.py --model distilbert-base-uncased --random-init --n 200
+    python scripts/bench_predict.py --data-dir ../shared/data --n 400 --prepack-pairs 6   # one speed-up, A/B
 
 The texts: the first --n reviews of IMDB's test split (the project's loader, fastpt/inputs/imdb.py).
 The model (--model minilm by default, or --random-init for the architecture with random weights:
@@ -92,20 +93,18 @@ def time_pipeline(folder: Path, texts: list, batch_size: int, max_length: int,
     return len(texts) / (time.perf_counter() - start), amp or "float32"
 
 
-def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None,
-                pack: bool = False, design: str = "") -> tuple[float, str]:
-    """(texts/s, attention's precision) of what fastpt-predict runs: its model (cast to `amp`'s dtype,
-    bfloat16 linear weights prepacked; a `design` it replaced instead: "autocast", float32 under
-    autocast, or "not prepacked", bfloat16 on `F.linear`), its batches,
-    and attention in the precision its measurement picks (speedups/attention_precision.py), chosen
-    before the clock starts as the packing wrapper is."""
-    import contextlib
+def fastpt_setup(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None,
+                 pack: bool = False, design: str = "", choice: dict | None = None) -> tuple:
+    """(model, loader(texts), attention's choice) as fastpt-predict prepares them: its model (cast to `amp`'s
+    dtype, bfloat16 linear weights prepacked; a `design` it replaced instead: "autocast", float32 to run
+    under autocast, or "not prepacked", bfloat16 on `F.linear`), its batches, and attention in the
+    precision its measurement picks (speedups/attention_precision.py; `choice`: one made already)."""
     from types import SimpleNamespace
 
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from fastpt.loop.inference import packed_prediction_loader, predict, prediction_loader, token_budget, tokenize
+    from fastpt.loop.inference import packed_prediction_loader, prediction_loader, token_budget, tokenize
     from fastpt.speedups import attention_precision
     from fastpt.speedups.amp import DTYPES
     from fastpt.speedups.packed_attention import packed_attention_kernel
@@ -125,17 +124,57 @@ def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp
             return packed_prediction_loader(split, token_budget(split, batch_size), pad_id, max_length)
         return prediction_loader(split, batch_size, pad_id, max_length)
 
-    choice = attention_precision.for_predictions(amp, SimpleNamespace(device=device, is_main=True), model,
-                                                 loader(texts))  # measured on the first batch, as fastpt-predict
-    autocast = design == "autocast"
-    model = attention_precision.apply(model, choice).to(device, None if autocast else DTYPES.get(amp))
+    choice = choice or attention_precision.for_predictions(amp, SimpleNamespace(device=device, is_main=True), model,
+                                                           loader(texts))  # on the first batch, as fastpt-predict
+    model = attention_precision.apply(model, choice).to(device, None if design == "autocast" else DTYPES.get(amp))
     if not design:
         prepack_linears(model)  # as fastpt-predict: bfloat16 weights only
-    with torch.autocast("cpu", DTYPES[amp]) if autocast else contextlib.nullcontext():
-        predict(model, loader(texts[:4]), device, max_length)  # warm-up
+    return model, loader, choice
+
+
+def time_fastpt(folder: Path, texts: list, batch_size: int, max_length: int, amp: str | None = None,
+                pack: bool = False, design: str = "") -> tuple[float, str]:
+    """(texts/s, attention's precision) of what fastpt-predict runs (fastpt_setup), set up before the clock
+    starts, as the packing wrapper and attention's measurement are."""
+    import contextlib
+
+    import torch
+
+    from fastpt.loop.inference import predict
+    from fastpt.speedups.amp import DTYPES
+
+    model, loader, choice = fastpt_setup(folder, texts, batch_size, max_length, amp, pack, design)
+    with torch.autocast("cpu", DTYPES[amp]) if design == "autocast" else contextlib.nullcontext():
+        predict(model, loader(texts[:4]), torch.device("cpu"), max_length)  # warm-up
         start = time.perf_counter()
-        predict(model, loader(texts), device, max_length)
+        predict(model, loader(texts), torch.device("cpu"), max_length)
     return len(texts) / (time.perf_counter() - start), choice["precision"]
+
+
+def prepack_pairs(folder: Path, texts: list, batch_size: int, max_length: int, pairs: int) -> list[float]:
+    """fastpt-predict's bfloat16 padded path with its linear weights prepacked against the same model on
+    `F.linear`, in this one process and alternating (ABBA), so that the machine's drift, which a table's
+    rows minutes apart cannot tell from a few percent, weighs on both alike: each pair's texts/s ratio,
+    prepacked over not. Attention in the one precision measured for both."""
+    import torch
+
+    from fastpt.loop.inference import predict
+
+    fast = fastpt_setup(folder, texts, batch_size, max_length, "bfloat16")
+    built = {"": fast, "not prepacked": fastpt_setup(folder, texts, batch_size, max_length, "bfloat16", False,
+                                                     "not prepacked", choice=fast[2])}
+    for model, loader, _ in built.values():
+        predict(model, loader(texts[:4]), torch.device("cpu"), max_length)  # warm-up
+    ratios = []
+    for i in range(pairs):
+        seconds = {}
+        for design in ("", "not prepacked") if i % 2 == 0 else ("not prepacked", ""):
+            model, loader, _ = built[design]
+            start = time.perf_counter()
+            predict(model, loader(texts), torch.device("cpu"), max_length)
+            seconds[design] = time.perf_counter() - start
+        ratios.append(seconds["not prepacked"] / seconds[""])
+    return ratios
 
 
 def forward_flops(folder: Path, texts: list, max_length: int) -> tuple[float, int]:
@@ -209,6 +248,9 @@ def main() -> None:
     p.add_argument("--pipeline-batch-sizes", default="1,8,32")
     p.add_argument("--fastpt-batch-sizes", default="4,16,64")
     p.add_argument("--table", default=str(ROOT / "scripts" / "results" / "predict-cpu.md"))
+    p.add_argument("--prepack-pairs", type=int, default=0, metavar="N",
+                   help="instead of the table: N alternating pairs, in one process, of fastpt-predict's bf16 "
+                        "padded path with and without prepacked linear weights, at each --fastpt-batch-sizes")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     import torch
@@ -220,6 +262,8 @@ def main() -> None:
     from reproduce import machine  # the CPU, its flags and torch's CPU capability
 
     texts = imdb_texts(args.data_dir, args.n)
+    if args.prepack_pairs:
+        return print_prepack_pairs(args, texts)
     header = (f"{len(texts)} IMDB test reviews, --max-length {args.max_length}, model {args.model}"
               f"{' (random init)' if args.random_init else ''}, float32 unless the setting says bf16 | "
               f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()} | transformers {transformers.__version__} | "
@@ -233,7 +277,7 @@ def main() -> None:
         print(f"bf16 settings skipped: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16 "
               f"(AVX512-BF16 or AMX); it is emulated here and slower than float32", flush=True)
     # (side, setting, batch sizes, precision, pack, design); a setting is how it batches, and its precision
-    settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes, amp, False, False)
+    settings = [("pipeline", "float32" if amp is None else "bf16", args.pipeline_batch_sizes, amp, False, "")
                 for amp in precisions]
     settings += [("fastpt-predict", ("pack" if pack else "padded") + (", bf16" if amp else ""),
                   args.fastpt_batch_sizes, amp, pack, "") for amp in precisions for pack in (False, True)]
@@ -280,6 +324,30 @@ def main() -> None:
     Path(args.table).parent.mkdir(parents=True, exist_ok=True)
     Path(args.table).write_text("\n".join(lines) + "\n")
     print(f"wrote: {args.table}")
+
+
+def print_prepack_pairs(args, texts: list) -> None:
+    """--prepack-pairs: prepack_pairs at each fastpt batch size, with freed memory kept as fastpt-predict's."""
+    import statistics
+
+    import torch
+
+    from fastpt.speedups.backends import keep_freed_memory
+    from fastpt.speedups.prepacked import prepacking_pays
+    from reproduce import machine
+
+    if not prepacking_pays(torch.device("cpu"), torch.bfloat16):
+        sys.exit("error: --prepack-pairs: oneDNN has no bfloat16 kernels on this CPU, so nothing is prepacked")
+    keep_freed_memory()
+    print(f"{len(texts)} IMDB test reviews, --max-length {args.max_length}, model {args.model} | "
+          f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {machine()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "export"
+        save_model(args.model, args.random_init, folder)
+        for size in map(int, args.fastpt_batch_sizes.split(",")):
+            ratios = prepack_pairs(folder, texts, size, args.max_length, args.prepack_pairs)
+            print(f"batch {size}: prepacked / not prepacked texts/s, {len(ratios)} alternating pairs: "
+                  f"{', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f})", flush=True)
 
 
 if __name__ == "__main__":

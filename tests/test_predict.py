@@ -355,6 +355,26 @@ def test_bench_predict_times_what_fastpt_predict_runs_and_the_share_of_the_peak(
     assert best and float(best[3]) == max(float(row[4]) for row in ours) and best[1] not in replaced
 
 
+def test_bench_predict_prepack_pairs_alternate_in_one_process(imdb_dir):
+    """scripts/bench_predict.py --prepack-pairs: N pairs' ratios, prepacked over not, and their median, where
+    oneDNN has bfloat16 kernels; elsewhere one line saying nothing is prepacked."""
+    from fastpt.speedups.prepacked import prepacking_pays
+
+    done = subprocess.run([sys.executable, "scripts/bench_predict.py", "--model", "tiny", "--data-dir", str(imdb_dir),
+                           "--n", "8", "--max-length", "32", "--fastpt-batch-sizes", "4", "--prepack-pairs", "3"],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    import torch
+    if not prepacking_pays(torch.device("cpu"), torch.bfloat16):
+        assert done.returncode == 1 and "nothing is prepacked" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"batch 4: prepacked / not prepacked texts/s, 3 alternating pairs: ([\d., ]+) "
+                      r"\(median ([\d.]+)\)", done.stdout)
+    ratios = [float(r) for r in found[1].split(", ")]
+    assert len(ratios) == 3 and all(r > 0 for r in ratios) and float(found[2]) == sorted(ratios)[1]
+
+
 @pytest.mark.parametrize("tunables", [None, pytest.param("glibc.malloc.tcache_count=7", marks=pytest.mark.slow)])
 def test_predictions_on_a_cpu_keep_freed_memory_unless_malloc_is_the_users(trained, tmp_path, tunables):
     """As training does (speedups/backends.py): a fresh process, as fastpt-predict always is; a user's own
