@@ -19,8 +19,8 @@ model (scripts/bench_predict.py measures both):
   products and kernel launches. On a CPU smaller ones (16 by default) measured faster (why is not
   settled: a small batch's activations stay in the caches more, and a larger one takes more fresh
   pages from the kernel, which the VM measured on zeroes at a high cost). On a 2-core
-  AVX512-BF16 EPYC, 400 reviews at 512 tokens (scripts/results/predict-cpu-bf16.md, 2026-12-03):
-  bf16 padded batches of 16 made 46.0 texts/s, of 64 32.8; float32 batches of 4 19.0, of 64 14.7.
+  AVX512-BF16 EPYC, 400 reviews at 512 tokens (scripts/results/predict-cpu-bf16.md, 2026-12-03 14:50 UTC):
+  bf16 padded batches of 16 made 49.8 texts/s, of 64 39.0; float32 batches of 4 20.7, of 64 14.5.
 - One tokenizer call for all texts (Rust, in parallel), not one call per text.
 - `torch.inference_mode()`: no autograd recording and no version counters on the tensors
   (evaluation.py uses `no_grad`, which compiled and sharded training modules need; this is a

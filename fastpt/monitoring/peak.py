@@ -8,9 +8,9 @@ the run's precision, on the model's own shapes (tokens x hidden @ hidden x 4*hid
 forward layer, the largest matmul of a step) and a square 2048 x 2048, with the run's thread count;
 the best rate is the peak. On a CPU in bfloat16 the probe also times oneDNN's product on a weight
 prepacked once into its blocked layout (what fastpt-predict's linear layers run,
-speedups/prepacked.py), which `torch.mm` repacks at every call; the faster of the two is the peak.
-On a 2-core AVX512-BF16 EPYC the prepacked product ran as fast as `torch.mm` at MiniLM's feed-
-forward shape and 1.11-1.12x faster at the square one and at DistilBERT's, so a peak from
+speedups/prepacked.py), where `torch.mm` hands it the plain layout; the faster of the two is the
+peak. On a 2-core AVX512-BF16 EPYC the prepacked product ran as fast as `torch.mm` at MiniLM's
+feed- forward shape and 1.11-1.12x faster at the square one and at DistilBERT's, so a peak from
 `torch.mm` alone made fastpt-predict's bfloat16 rows look closer to the peak than they were. Every
 rank of a job on one host probes at the same time, so ranks that share the cores share them in the
 probe too.

@@ -1,19 +1,22 @@
 """bfloat16 weights prepacked for the CPU's matrix kernel: fastpt-predict's linear layers on a CPU.
 
-oneDNN, which runs PyTorch's bfloat16 matrix products on a CPU, computes on weights laid out in
-its own blocks. `F.linear` hands it the plain [out, in] weight, and the kernel repacks it at every
-call; a model that never trains can do that once. `prepack_linears` replaces each nn.Linear with a
-PrepackedLinear holding `torch.ops.mkldnn._reorder_linear_weight(weight)` and calling
-`torch.ops.mkldnn._linear_pointwise`: what Inductor's freezing does for a compiled CPU model
+oneDNN, which runs PyTorch's bfloat16 matrix products on a CPU, computes on weights laid out in its
+own blocks. `F.linear` hands it the plain [out, in] weight at every call, which the kernel reorders
+or reads in place as it sees fit; a model that never trains can reorder it once. `prepack_linears`
+replaces each nn.Linear with a PrepackedLinear holding
+`torch.ops.mkldnn._reorder_linear_weight(weight)` and calling `torch.ops.mkldnn._linear_pointwise`:
+what Inductor's freezing does for a compiled CPU model
 (torch/_inductor/fx_passes/mkldnn_fusion.py), without compiling. The same kernel otherwise, so the
 same results bit for bit (tests/test_predict.py).
 
-Measured on a 2-core AVX512-BF16 EPYC (no AMX), torch 2.13: MiniLM's matrix products alone ran
-1.13-1.5x faster (6,144 tokens x 384 -> 1,536: 12.8 -> 9.6 ms); fastpt-predict's 400 IMDB reviews
-1.06-1.18x faster, interleaved pairs (docs/predict.md). Only bfloat16, only on a CPU where oneDNN
-has bfloat16 kernels: float32 through MKL's packed GEMM measured no faster there, and a GPU's
-libraries pick their own layouts. Not in training: weights that change at every step would be
-repacked at every step, which is what `F.linear` does already.
+Measured on a 2-core AVX512-BF16 EPYC (no AMX), torch 2.13, MiniLM, 400 IMDB reviews at 512 tokens
+(`python scripts/bench_predict.py --data-dir ../shared/data --n 400 --fastpt-batch-sizes 4,16
+--prepack-pairs 6`, 2026-12-03 15:04 UTC): fastpt-predict 1.06x faster at batch 4 and 1.09x at
+batch 16, medians of six pairs alternating in one process (single pairs 0.95-1.19x: this machine
+drifts by more than the gain). A small gain, free of any change in the results. Only bfloat16, only
+on a CPU where oneDNN has bfloat16 kernels: float32 through MKL's packed GEMM was no faster in a
+one-off check there, and a GPU's libraries pick their own layouts. Not in training: weights that
+change at every step would be reordered at every step.
 
 `fastpt.monitoring.peak` times the same prepacked product beside `torch.mm`, so that MFU's peak is
 the fastest matrix product this machine ran, not the slower of its two.
