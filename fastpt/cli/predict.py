@@ -167,8 +167,8 @@ def run(args, dist) -> None:
     from fastpt.loop.inference import (packed_prediction_loader, predict, prediction_loader, token_budget,
                                        tokenize)
     from fastpt.speedups import attention_precision, backends
-    from fastpt.speedups.prepacked import prepack_linears
     from fastpt.speedups.amp import DTYPES, check_dtype_supported
+    from fastpt.speedups.prepacked import prepack_linears
 
     if dist.device.type == "cpu":  # as training does: big activations reuse freed memory, no fresh pages
         backends.keep_freed_memory()

@@ -4,16 +4,16 @@ MFU needs the device's dense peak FLOP/s at the run's precision. For the GPUs fa
 (metrics.PEAK_FLOPS) that is the vendor's figure. For a CPU there is no such figure to look up: the
 same model name runs with 2 cores or 64, with or without AMX tiles, and bfloat16 is a native
 instruction on some and emulated on others (AVX2). So fastpt measures it: a short matmul probe at
-the run's precision, on the model's own shapes (tokens x hidden @ hidden x 4*hidden, the feed-
-forward layer, the largest matmul of a step) and a square 2048 x 2048, with the run's thread count;
-the best rate is the peak. On a CPU in bfloat16 the probe also times oneDNN's product on a weight
-prepacked once into its blocked layout (what fastpt-predict's linear layers run,
+the run's precision, on the model's own shapes (tokens x hidden @ hidden x 4*hidden, the
+feed-forward layer, the largest matmul of a step) and a square 2048 x 2048, with the run's thread
+count; the best rate is the peak. On a CPU in bfloat16 the probe also times oneDNN's product on a
+weight prepacked once into its blocked layout (what fastpt-predict's linear layers run,
 speedups/prepacked.py), where `torch.mm` hands it the plain layout; the faster of the two is the
 peak. On a 2-core AVX512-BF16 EPYC the prepacked product ran as fast as `torch.mm` at MiniLM's
-feed- forward shape and 1.11-1.12x faster at the square one and at DistilBERT's, so a peak from
-`torch.mm` alone made fastpt-predict's bfloat16 rows look closer to the peak than they were. Every
-rank of a job on one host probes at the same time, so ranks that share the cores share them in the
-probe too.
+feed-forward shape and 1.11-1.17x faster at the square one and at DistilBERT's shapes
+(results.json's `peak_probe` lists each shape's and kernel's rate), so a peak from `torch.mm` alone
+made fastpt-predict's bfloat16 rows look closer to the peak than they were. Every rank of a job on
+one host probes at the same time, so ranks that share the cores share them in the probe too.
 
 What it costs: about a second (two for bfloat16 on a CPU), at most once every ten minutes per
 machine setting: the figure is cached as JSON under the cache folder (`<cache dir>/peak/`), keyed
