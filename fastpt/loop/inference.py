@@ -34,7 +34,8 @@ model (scripts/bench_predict.py measures both):
   softmax is float32. Worth it on GPUs, and on CPUs with 16-bit matrix units (AMX, AVX-512 BF16);
   on a CPU without them it is slower than float32.
 - bfloat16 weights prepacked on a CPU (speedups/prepacked.py): each nn.Linear's weight reordered
-  once into oneDNN's blocked layout instead of at every call; the same results bit for bit.
+  once into oneDNN's blocked layout, not handed to it in the plain layout at every call; the same
+  results bit for bit.
 - Optional packing (--pack, speedups/packing.py): the sorted texts laid end to end in token streams
   of about `token_budget` tokens (--pack-tokens; by default --batch-size x the texts' mean length,
   so about as many batches as padded ones), no padding token at all. A stream of short texts holds
